@@ -1,0 +1,3 @@
+from attn_doctor.cli import main
+
+main()

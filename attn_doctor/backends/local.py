@@ -1,0 +1,58 @@
+"""Megatron-LM's `--transformer-impl local` core attention, the baseline every verdict is measured against.
+
+A faithful copy of megatron/core/transformer/dot_product_attention.py with the torch path of
+megatron/core/fusions/fused_softmax.py (FusedScaleMaskSoftmax.forward_torch_softmax), as the reports
+ran it (`--attention-softmax-in-fp32`, no query-key layer scaling, no dropout):
+scores by baddbmm in the input dtype, softmax in fp32 after `masked_fill(mask, -10000.0)`, probabilities
+rounded back to the input dtype, then bmm with v. GQA by repeat_interleave, as Megatron does.
+
+Departures, each needed to cover every case attn-doctor checks: the causal mask is built for
+seq_q x seq_kv (top-left aligned, like the reference) rather than seq_q x seq_q, and sliding windows use
+the same masked_fill. Megatron's fused CUDA softmax kernels are not used; for causal masks they also
+give masked entries probability exactly 0, like the fill does in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn_doctor.backends.base import Backend
+from attn_doctor.case import Case
+from attn_doctor.reference import allowed_mask
+
+MEGATRON_MASK_FILL = -10000.0
+
+
+class LocalAttention(Backend):
+    qkv_format = "sbhd"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
+        seq_q, batch, heads, head_dim = q.shape
+        seq_kv, _, kv_heads, _ = k.shape
+        if kv_heads != heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=2)
+            v = v.repeat_interleave(heads // kv_heads, dim=2)
+        q2 = q.reshape(seq_q, batch * heads, head_dim)
+        k2 = k.reshape(seq_kv, batch * heads, head_dim)
+        buffer = torch.empty(batch * heads, seq_q, seq_kv, dtype=q.dtype, device=q.device)
+        scores = torch.baddbmm(
+            buffer, q2.transpose(0, 1), k2.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=case.softmax_scale
+        ).view(batch, heads, seq_q, seq_kv)
+
+        in_float16 = q.dtype in (torch.float16, torch.bfloat16)
+        x = scores.float() if in_float16 else scores
+        visible = allowed_mask(
+            torch.arange(seq_q, device=q.device), torch.arange(seq_kv, device=q.device), case.causal, case.window
+        )
+        if visible is not None:
+            x = x.masked_fill(~visible, MEGATRON_MASK_FILL)
+        probs = torch.softmax(x, dim=-1)
+        if in_float16:
+            probs = probs.to(q.dtype)
+
+        v2 = v.reshape(seq_kv, batch * heads, head_dim)
+        context = torch.bmm(probs.view(batch * heads, seq_q, seq_kv), v2.transpose(0, 1))
+        return context.view(batch, heads, seq_q, head_dim).permute(2, 0, 1, 3)
+
+    def ran(self, out: torch.Tensor) -> str:
+        return "Megatron local: baddbmm + fp32 softmax"

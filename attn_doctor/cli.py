@@ -1,0 +1,233 @@
+"""The command line: parses, wires, prints. Logic lives in the modules it calls."""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from attn_doctor.case import DTYPES, MASKS, Case, load_recipe, make_case
+from attn_doctor.errors import BadInput
+from attn_doctor.layouts import LAYOUTS
+
+EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT = 0, 1, 2
+REPORTS_DIR = Path("reports")
+
+
+class DoctorGroup(click.Group):
+    """A group whose every bad input ends as one line on stderr and exit code 2, never a traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
+        try:
+            code = super().main(args, prog_name or "attn-doctor", complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            hint = f" (see `attn-doctor {exc.ctx.info_name} --help`)" if exc.ctx and exc.ctx.parent else ""
+            click.echo(f"attn-doctor: error: {exc.format_message()}{hint}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except BadInput as exc:
+            click.echo(f"attn-doctor: error: {exc}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("attn-doctor: aborted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def _console() -> Console:
+    return Console(highlight=False, markup=False, soft_wrap=False)
+
+
+def _command_line() -> str:
+    return "attn-doctor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "attn-doctor"
+
+
+def _int_list(text: str | None, name: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BadInput(f"--{name} takes whole numbers separated by commas, got {text!r}") from None
+
+
+def _window(text: str | None) -> tuple[int, int] | None:
+    if text is None or text.lower() == "none":
+        return None
+    values = _int_list(text, "window")
+    if values is None or len(values) != 2:
+        raise BadInput(f"--window takes LEFT,RIGHT (e.g. 256,0; -1 = unbounded), got {text!r}")
+    return values[0], values[1]
+
+
+def case_options(fn):
+    """The case flags shared by run, sweep and bisect."""
+    options = [
+        click.option("--recipe", help="A TOML case from recipes/ (name or path); flags override it."),
+        click.option("--batch", type=int, help="Batch size [4]."),
+        click.option("--seq", type=int, help="Query sequence length [1024]."),
+        click.option("--seq-kv", type=int, help="Key/value sequence length (cross-attention) [= --seq]."),
+        click.option("--heads", type=int, help="Query heads [16]."),
+        click.option("--kv-heads", type=int, help="Key/value heads (GQA when fewer) [= --heads]."),
+        click.option("--head-dim", type=int, help="Head dimension [64]."),
+        click.option("--dtype", type=click.Choice(DTYPES), help="Input dtype [bf16]."),
+        click.option("--mask", type=click.Choice(MASKS), help="Attention mask [causal]."),
+        click.option("--window", help="Sliding window LEFT,RIGHT (-1 = unbounded) [none]."),
+        click.option("--seed", type=int, help="Seed of q, k, v and the output gradient [1234]."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def backend_options(fn):
+    options = [
+        click.option("--backend", "backends", multiple=True, metavar="NAME",
+                     help="A backend to check (repeatable; 'te' and 'sdpa' name a whole family). "
+                          "Default: all built-in backends, or only the --kernel ones when given."),
+        click.option("--kernel", "kernels", multiple=True, metavar="[NAME=]TARGET:FUNC",
+                     help="Your own kernel fn(q, k, v, *, causal, softmax_scale) on bshd tensors; "
+                          "TARGET is a module or a .py path (repeatable)."),
+        click.option("--layout", "layouts", multiple=True, type=click.Choice(LAYOUTS),
+                     help="A memory layout to feed (repeatable) [all]."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+        click.option("--timeout", type=float, default=300.0, show_default=True,
+                     help="Seconds one probe may take before its worker is killed (ERROR row)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def build_case(options: dict[str, Any]) -> Case:
+    """The case from --recipe overridden by explicit flags; validated."""
+    fields: dict[str, Any] = {}
+    if options.get("recipe"):
+        fields.update(load_recipe(options["recipe"]).case)
+    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed"):
+        if options.get(name) is not None:
+            fields[name] = options[name]
+    if options.get("window") is not None:
+        fields["window"] = _window(options["window"])
+    return make_case(**fields)
+
+
+def build_specs(backends: tuple[str, ...], kernels: tuple[str, ...]):
+    from attn_doctor.backends import resolve
+    from attn_doctor.backends.kernel import parse_kernel_spec
+
+    kernel_specs = [parse_kernel_spec(k) for k in kernels]
+    specs = resolve(list(backends)) if backends or not kernel_specs else []
+    names = [s.name for s in specs]
+    for spec in kernel_specs:
+        if spec.name in names:
+            raise BadInput(f"--kernel name {spec.name!r} is taken; give it another with NAME=TARGET:FUNC")
+        names.append(spec.name)
+    return specs + kernel_specs
+
+
+def new_run_dir(kind: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = REPORTS_DIR / f"{kind}-{stamp}"
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = REPORTS_DIR / f"{kind}-{stamp}-{suffix}"
+    return path
+
+
+@click.group(cls=DoctorGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="attn-doctor", prog_name="attn-doctor")
+def cli() -> None:
+    """Find which attention kernel path computes a wrong forward or gradient, and by how much.
+
+    Exit codes: 0 every tested path passes, 1 a path FAILs or ERRORs, 2 bad input.
+    """
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the fingerprint as JSON.")
+@click.option("--no-te", is_flag=True, help="Do not import TE (skips the probe subprocess).")
+def env(as_json: bool, no_te: bool) -> int:
+    """Fingerprint this machine: GPUs, driver, CUDA, torch, both cuDNNs, TE, flash-attn, NVTE_* variables."""
+    from attn_doctor.backends import te_installed
+    from attn_doctor.env import collect_env
+    from attn_doctor.render.env_view import env_rich_table
+
+    report = collect_env(probe_te=not no_te and te_installed())
+    if as_json:
+        from attn_doctor.results import dumps
+
+        click.echo(dumps(report.to_dict()), nl=False)
+    else:
+        _console().print(env_rich_table(report))
+    return EXIT_OK
+
+
+@cli.command()
+@case_options
+@backend_options
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the results document here (default: reports/<run-id>/results.json).")
+def run(json_path: Path | None, backends, kernels, layouts, device, timeout, **case_flags) -> int:
+    """Check every backend x layout on one case against float64 and name the faulty kernel path."""
+    from attn_doctor.render.env_view import env_rich_table
+    from attn_doctor.render.terminal import notes_lines, results_table
+    from attn_doctor.results import dumps, write_atomic
+    from attn_doctor.runner import diagnose, resolve_device
+
+    case = build_case(case_flags)
+    specs = build_specs(backends, kernels)
+    device = resolve_device(device)
+    out_path = json_path or new_run_dir("run") / "results.json"
+    console = _console()
+    with console.status(f"checking {len(specs)} backends on {case.short()} ({device})", spinner="dots"):
+        report = diagnose([case], specs, list(layouts or LAYOUTS), device, command=_command_line(),
+                          timeout_s=timeout)
+    if report.env is not None:
+        console.print(env_rich_table(report.env))
+    console.print(results_table(report.rows, title=f"{case.short()} on {device}"))
+    for line in notes_lines(report.rows):
+        console.print(line)
+    console.print(report.summary, style="bold red" if report.faulty else "bold green")
+    write_atomic(out_path, dumps(report.to_dict()))
+    console.print(f"results: {out_path}\nreport:  attn-doctor report {out_path} --format markdown")
+    return report.exit_code
+
+
+@cli.command()
+@click.argument("results", required=False, type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["markdown"]), default="markdown", show_default=True)
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
+def report(results: Path | None, fmt: str, output: Path | None) -> int:
+    """Render a results document (default: the newest under reports/) for a bug report."""
+    from attn_doctor.render.markdown import report_markdown
+    from attn_doctor.results import read_report, write_atomic
+
+    path = results or newest_results()
+    if path.is_dir():
+        path = path / "results.json"
+    text = report_markdown(read_report(path))
+    if output:
+        write_atomic(output, text)
+    else:
+        click.echo(text, nl=False)
+    return EXIT_OK
+
+
+def newest_results() -> Path:
+    candidates = sorted(REPORTS_DIR.glob("*/results.json"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise BadInput("no results under reports/; run `attn-doctor run` first or pass a results file")
+    return candidates[-1]
+
+
+def main() -> None:
+    cli.main()

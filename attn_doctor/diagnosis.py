@@ -1,0 +1,95 @@
+"""From measured rows to verdicts and to the one sentence that names the faulty kernel paths."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from attn_doctor.backends import BASELINE
+from attn_doctor.results import Faulty, Row
+from attn_doctor.verdict import ERROR, FAIL, PASS, SKIP, TENSORS, combine, judge_tensor
+
+BASELINE_LAYOUT = "contiguous"
+
+
+def baseline_key(row: Row) -> tuple:
+    return (row.case.key(), tuple(sorted(row.coords.items())))
+
+
+def judge(rows: list[Row]) -> list[Row]:
+    """Fill each measured row's per-tensor verdicts against the baseline row of the same inputs."""
+    baselines = {
+        baseline_key(row): row
+        for row in rows
+        if row.backend == BASELINE and row.layout == BASELINE_LAYOUT and row.verdict not in (SKIP, ERROR)
+        and row.metrics
+    }
+    for row in rows:
+        if not row.metrics:
+            continue  # SKIP and ERROR rows keep the verdict the worker gave them
+        baseline = baselines.get(baseline_key(row))
+        if baseline is None:
+            row.verdict = ERROR
+            row.reason = "no baseline: the local baseline did not run on these inputs"
+            continue
+        row.tensors = {
+            name: judge_tensor(name, row.metrics[name], baseline.metrics[name], row.case.dtype)
+            for name in TENSORS
+            if name in row.metrics
+        }
+        row.verdict = combine([t.verdict for t in row.tensors.values()])
+        if row.verdict == FAIL:
+            row.reason = "; ".join(f"{name}: {t.why}" for name, t in row.tensors.items() if t.verdict == FAIL)
+    return rows
+
+
+def find_faulty(rows: list[Row]) -> list[Faulty]:
+    """Group FAIL and ERROR rows by backend: which layouts, which tensors, which cases."""
+    groups: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.verdict in (FAIL, ERROR):
+            groups[row.backend].append(row)
+    faulty = []
+    for backend, bad in groups.items():
+        tensors = [name for name in TENSORS if any(name in row.failing_tensors for row in bad)]
+        ratios = [t.ratio for row in bad for t in row.tensors.values() if t.verdict == FAIL]
+        faulty.append(
+            Faulty(
+                backend=backend,
+                ran=next((row.ran for row in bad if row.ran), ""),
+                verdict=FAIL if any(row.verdict == FAIL for row in bad) else ERROR,
+                layouts=tuple(dict.fromkeys(row.layout for row in bad)),
+                tensors=tuple(tensors),
+                cases=tuple(dict.fromkeys(row.case.short() for row in bad)),
+                worst_ratio=max(ratios) if ratios else float("nan"),
+            )
+        )
+    return faulty
+
+
+def _tensor_phrase(tensors: tuple[str, ...]) -> str:
+    forward = "out" in tensors
+    grads = [t for t in tensors if t != "out"]
+    parts = []
+    if forward:
+        parts.append("a wrong forward (out)")
+    if grads:
+        parts.append("wrong " + ", ".join(grads))
+    return " and ".join(parts)
+
+
+def summarize(rows: list[Row], faulty: list[Faulty]) -> str:
+    tested = [row for row in rows if row.verdict in (PASS, FAIL, ERROR)]
+    if not tested:
+        return "No backend could run here: every row was skipped."
+    if not faulty:
+        return f"All {len(tested)} tested paths agree with float64 as closely as a correct implementation in this dtype."
+    sentences = []
+    for f in faulty:
+        ran = f" [{f.ran}]" if f.ran and f.ran != f.backend else ""
+        where = ", ".join(f.layouts)
+        if f.verdict == FAIL:
+            ratio = f" (up to {f.worst_ratio:.1f}x the baseline's error)" if f.worst_ratio == f.worst_ratio else ""
+            sentences.append(f"{f.backend}{ran} computes {_tensor_phrase(f.tensors)}{ratio} on layout {where}")
+        else:
+            sentences.append(f"{f.backend}{ran} crashed or hung on layout {where}")
+    return "Faulty: " + "; ".join(sentences) + "."

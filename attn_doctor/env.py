@@ -1,0 +1,432 @@
+"""Machine fingerprint: driver, GPUs, torch, Transformer Engine, flash-attn, env vars.
+
+Pure collection; nothing here raises. A fact that could not be collected is a
+``Fact(None, note)`` whose note says why. TE is probed in a subprocess
+(:data:`TE_PROBE_CMD`) because importing it can fail, hang, or load a second cuDNN
+into a process that already has torch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attn_doctor.te_probe import decode_cudnn_version, dist_version, te_package_versions
+
+#: Command that runs the TE probe; tests replace it. Must print a JSON object last on stdout.
+TE_PROBE_CMD: list[str] = [sys.executable, "-m", "attn_doctor.te_probe"]
+
+ENV_PREFIXES = ("NVTE_", "CUDNN_", "CUDA_", "TORCH_", "PYTORCH_", "NCCL_")
+ENV_DENY = ("SECRET", "TOKEN", "PASSWORD", "KEY", "API")
+
+FLASH_ATTN_DISTS: dict[str, tuple[str, ...]] = {
+    "v2": ("flash-attn",),
+    "v3": ("flash-attn-3", "flashattn-hopper"),  # HEAD name, TE v2.1 name
+    "v4": ("flash-attn-4",),
+}
+
+NOT_INSTALLED = "not installed"
+NOT_PROBED = "not probed"
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One collected fact, or why it is missing."""
+
+    value: str | None = None  # the fact as text; None when it could not be collected
+    note: str | None = None  # why it is missing, or a warning about the value
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None) -> Fact:
+        if not isinstance(d, Mapping):
+            return cls(None, "not recorded")
+        return cls(_opt_str(d.get("value")), _opt_str(d.get("note")))
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML sees it (NVML indices ignore CUDA_VISIBLE_DEVICES)."""
+
+    index: int
+    name: str
+    sm: str  # e.g. "sm_90"
+    memory_total_mib: int
+
+
+@dataclass(frozen=True)
+class EnvReport:
+    """The machine fingerprint stored with every result."""
+
+    python: Fact
+    platform: Fact
+    driver: Fact
+    gpus: tuple[GpuInfo, ...]
+    gpus_note: str | None
+    torch: Fact
+    torch_cuda: Fact
+    torch_cudnn: Fact
+    cuda_available: Fact
+    te: Fact
+    te_core: Fact
+    te_torch: Fact
+    te_cudnn: Fact
+    flash_attn: dict[str, Fact] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-able view."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EnvReport:
+        """Inverse of :meth:`to_dict`; tolerant of missing keys from older files."""
+        fact_names = [
+            f.name for f in dataclasses.fields(cls) if f.name not in ("gpus", "gpus_note", "flash_attn", "env_vars")
+        ]
+        facts = {name: Fact.from_dict(d.get(name)) for name in fact_names}
+        gpus = []
+        for g in d.get("gpus") or ():
+            try:
+                gpus.append(
+                    GpuInfo(
+                        index=int(g["index"]),
+                        name=str(g["name"]),
+                        sm=str(g["sm"]),
+                        memory_total_mib=int(g["memory_total_mib"]),
+                    )
+                )
+            except (KeyError, TypeError, ValueError):
+                continue
+        flash = {str(k): Fact.from_dict(v) for k, v in (d.get("flash_attn") or {}).items()}
+        env_vars = {str(k): str(v) for k, v in (d.get("env_vars") or {}).items()}
+        return cls(
+            gpus=tuple(gpus),
+            gpus_note=_opt_str(d.get("gpus_note")),
+            flash_attn=flash,
+            env_vars=env_vars,
+            **facts,
+        )
+
+
+def _opt_str(v: object) -> str | None:
+    return None if v is None else str(v)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- NVML
+
+
+def _nvml_query(func, *args):
+    """nvitop-style: ``(result, None)`` or ``(None, error text)``; never raises."""
+    try:
+        result = func(*args)
+    except Exception as exc:
+        return None, _first_line(exc)
+    if isinstance(result, bytes):  # older pynvml returned bytes
+        result = result.decode(errors="replace")
+    return result, None
+
+
+def _collect_nvml() -> tuple[Fact, tuple[GpuInfo, ...], str | None]:
+    """Driver version and GPU list from NVML."""
+    try:
+        import pynvml
+    except Exception as exc:
+        note = f"nvidia-ml-py not usable: {_first_line(exc)}"
+        return Fact(None, note), (), note
+
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        err = _first_line(exc)
+        no_driver = (
+            getattr(pynvml, "NVMLError_LibraryNotFound", ()),
+            getattr(pynvml, "NVMLError_DriverNotLoaded", ()),
+        )
+        if isinstance(exc, tuple(t for t in no_driver if isinstance(t, type))):
+            return Fact(None, f"no NVIDIA driver: {err}"), (), f"no NVIDIA driver (NVML: {err})"
+        return Fact(None, f"NVML init failed: {err}"), (), f"NVML init failed: {err}"
+
+    try:
+        version, err = _nvml_query(pynvml.nvmlSystemGetDriverVersion)
+        driver = Fact(str(version), None) if version else Fact(None, f"NVML: {err}")
+
+        count, err = _nvml_query(pynvml.nvmlDeviceGetCount)
+        if count is None:
+            return driver, (), f"NVML device count failed: {err}"
+        gpus: list[GpuInfo] = []
+        problems: list[str] = []
+        for i in range(int(count)):
+            handle, err = _nvml_query(pynvml.nvmlDeviceGetHandleByIndex, i)
+            if handle is None:
+                problems.append(f"GPU {i}: {err}")
+                continue
+            name, err_name = _nvml_query(pynvml.nvmlDeviceGetName, handle)
+            cc, err_cc = _nvml_query(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+            mem, err_mem = _nvml_query(pynvml.nvmlDeviceGetMemoryInfo, handle)
+            for what, e in (("name", err_name), ("compute capability", err_cc), ("memory", err_mem)):
+                if e:
+                    problems.append(f"GPU {i} {what}: {e}")
+            sm = f"sm_{cc[0]}{cc[1]}" if cc else "sm_?"
+            mib = int(mem.total) // (1024 * 1024) if mem is not None else 0
+            gpus.append(GpuInfo(index=i, name=str(name) if name else "unknown", sm=sm, memory_total_mib=mib))
+        if not gpus and not problems:
+            problems.append("NVML reports no GPUs")
+        return driver, tuple(gpus), "; ".join(problems) or None
+    finally:
+        _nvml_query(pynvml.nvmlShutdown)
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def _format_cudnn(encoded: int) -> str:
+    return f"{decode_cudnn_version(encoded)} ({encoded})"
+
+
+def _collect_torch() -> tuple[Fact, Fact, Fact, Fact]:
+    """torch version, its CUDA, its cuDNN, and whether CUDA is usable."""
+    try:
+        import torch
+    except Exception as exc:
+        note = f"torch import failed: {_first_line(exc)}"
+        return Fact(None, note), Fact(None, note), Fact(None, note), Fact(None, note)
+
+    version = Fact(str(torch.__version__))
+    cuda_built = getattr(torch.version, "cuda", None)
+    torch_cuda = Fact(str(cuda_built)) if cuda_built else Fact(None, "CPU-only build")
+
+    try:
+        encoded = torch.backends.cudnn.version()
+    except Exception as exc:
+        torch_cudnn = Fact(None, f"cuDNN query failed: {_first_line(exc)}")
+    else:
+        if encoded:
+            torch_cudnn = Fact(_format_cudnn(int(encoded)))
+        else:
+            torch_cudnn = Fact(None, "CPU-only build" if not cuda_built else "cuDNN not available to torch")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            available = bool(torch.cuda.is_available())
+            err = None
+        except Exception as exc:
+            available, err = False, _first_line(exc)
+    if available:
+        cuda_available = Fact("yes")
+    else:
+        why = err or next((_first_line(Exception(w.message)) for w in caught), None)
+        if why is None and not cuda_built:
+            why = "CPU-only build"
+        cuda_available = Fact("no", why)
+    return version, torch_cuda, torch_cudnn, cuda_available
+
+
+# --------------------------------------------------------------------------- TE
+
+
+def _run_te_probe(cmd: Sequence[str], timeout_s: float) -> dict:
+    """Run the probe command; returns its JSON dict, or ``{"error": why}``."""
+    env = dict(os.environ)
+    # The probe must import this package even when it is not installed (run from a checkout).
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    try:
+        proc = subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # so a timeout can kill whatever the probe started
+        )
+    except Exception as exc:
+        return {"error": f"TE probe could not start: {_first_line(exc)}"}
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return {"error": f"TE probe timed out after {timeout_s:g}s"}
+    except Exception as exc:
+        _kill_group(proc)
+        return {"error": f"TE probe failed: {_first_line(exc)}"}
+
+    for line in reversed(out.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                facts = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(facts, dict):
+                return facts
+    rc = proc.returncode
+    why = f"TE probe exited with code {rc}"
+    if rc is not None and rc < 0:
+        try:
+            why += f" ({signal.Signals(-rc).name})"
+        except ValueError:
+            pass
+    last_err = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), None)
+    if last_err:
+        why += f": {last_err}"
+    return {"error": why}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except Exception:
+        try:
+            proc.kill()
+        except Exception:
+            pass
+    try:
+        proc.communicate(timeout=5)
+    except Exception:
+        pass
+
+
+def _version_fact(value: object) -> Fact:
+    return Fact(str(value)) if value else Fact(None, NOT_INSTALLED)
+
+
+def _collect_te(
+    probe_te: bool, te_facts: Mapping | None, timeout_s: float, probe_cmd: Sequence[str] | None
+) -> tuple[Fact, Fact, Fact, Fact]:
+    """te, te_core, te_torch, te_cudnn. Versions come from metadata, refined by the probe."""
+    try:
+        meta = te_package_versions()
+    except Exception:
+        meta = {"te": None, "te_core": None, "te_torch": None}
+
+    if te_facts is not None:
+        probed: Mapping | None = te_facts
+    elif probe_te:
+        probed = _run_te_probe(probe_cmd if probe_cmd is not None else TE_PROBE_CMD, timeout_s)
+    else:
+        probed = None
+
+    if probed is None:
+        return (
+            _version_fact(meta.get("te")),
+            _version_fact(meta.get("te_core")),
+            _version_fact(meta.get("te_torch")),
+            Fact(None, NOT_PROBED),
+        )
+
+    error = _opt_str(probed.get("error"))
+    te = _version_fact(probed.get("te") or meta.get("te"))
+    if te.value and error and not probed.get("te_cudnn"):
+        te = Fact(te.value, "installed, but the probe failed (see TE cuDNN)")
+    te_core = _version_fact(probed.get("te_core") or meta.get("te_core"))
+    te_torch = _version_fact(probed.get("te_torch") or meta.get("te_torch"))
+
+    encoded = probed.get("te_cudnn_int")
+    text = probed.get("te_cudnn")
+    try:
+        cudnn_value = _format_cudnn(int(encoded)) if encoded not in (None, "") else _opt_str(text)
+    except (TypeError, ValueError):
+        cudnn_value = _opt_str(text)
+    te_cudnn = Fact(cudnn_value, None) if cudnn_value else Fact(None, error or "TE reported no cuDNN version")
+    return te, te_core, te_torch, te_cudnn
+
+
+def _cudnn_triplet(fact: Fact) -> str | None:
+    return fact.value.split()[0] if fact.value else None
+
+
+def _flag_cudnn_mismatch(te_cudnn: Fact, torch_cudnn: Fact) -> Fact:
+    te_v, torch_v = _cudnn_triplet(te_cudnn), _cudnn_triplet(torch_cudnn)
+    if te_v and torch_v and te_v != torch_v:
+        return Fact(
+            te_cudnn.value,
+            f"differs from torch's cuDNN {torch_v}: two cuDNN libraries are loaded in one process",
+        )
+    return te_cudnn
+
+
+# --------------------------------------------------------------------------- rest
+
+
+def _collect_flash_attn() -> dict[str, Fact]:
+    return {key: _version_fact(dist_version(*names)) for key, names in FLASH_ATTN_DISTS.items()}
+
+
+def collect_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables with the relevant prefixes, minus anything that looks like a secret."""
+    environ = os.environ if environ is None else environ
+    return {
+        k: v
+        for k, v in sorted(environ.items())
+        if k.upper().startswith(ENV_PREFIXES) and not any(bad in k.upper() for bad in ENV_DENY)
+    }
+
+
+def _safe(fn, fallback):
+    try:
+        return fn()
+    except Exception as exc:  # belt and braces: collect_env must never raise
+        return fallback(_first_line(exc))
+
+
+def collect_env(
+    *,
+    probe_te: bool = True,
+    te_facts: dict | None = None,
+    timeout_s: float = 120.0,
+    probe_cmd: Sequence[str] | None = None,
+) -> EnvReport:
+    """Collect the machine fingerprint; never raises.
+
+    ``te_facts``: a dict from :func:`attn_doctor.te_probe.probe_loaded_te` produced in a
+    process that already imported TE; used instead of spawning the probe.
+    ``probe_cmd``: overrides :data:`TE_PROBE_CMD`.
+    """
+    python = _safe(
+        lambda: Fact(f"{platform.python_version()} ({platform.python_implementation()})"),
+        lambda e: Fact(None, e),
+    )
+    plat = _safe(lambda: Fact(platform.platform()), lambda e: Fact(None, e))
+    driver, gpus, gpus_note = _safe(_collect_nvml, lambda e: (Fact(None, e), (), e))
+    torch_v, torch_cuda, torch_cudnn, cuda_available = _safe(_collect_torch, lambda e: (Fact(None, e),) * 4)
+    te, te_core, te_torch, te_cudnn = _safe(
+        lambda: _collect_te(probe_te, te_facts, timeout_s, probe_cmd), lambda e: (Fact(None, e),) * 4
+    )
+    te_cudnn = _flag_cudnn_mismatch(te_cudnn, torch_cudnn)
+    flash = _safe(_collect_flash_attn, lambda e: {k: Fact(None, e) for k in FLASH_ATTN_DISTS})
+    env_vars = _safe(collect_env_vars, lambda e: {})
+    return EnvReport(
+        python=python,
+        platform=plat,
+        driver=driver,
+        gpus=gpus,
+        gpus_note=gpus_note,
+        torch=torch_v,
+        torch_cuda=torch_cuda,
+        torch_cudnn=torch_cudnn,
+        cuda_available=cuda_available,
+        te=te,
+        te_core=te_core,
+        te_torch=te_torch,
+        te_cudnn=te_cudnn,
+        flash_attn=flash,
+        env_vars=env_vars,
+    )

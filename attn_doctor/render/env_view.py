@@ -1,0 +1,96 @@
+"""Presentation of an :class:`~attn_doctor.env.EnvReport`: rows, a rich table, Markdown."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rich.table import Table
+from rich.text import Text
+
+from attn_doctor.env import EnvReport, Fact
+
+Kind = Literal["ok", "warn", "missing"]
+
+_FACTS: tuple[tuple[str, str], ...] = (
+    ("torch", "torch"),
+    ("torch CUDA", "torch_cuda"),
+    ("torch cuDNN", "torch_cudnn"),
+    ("CUDA available", "cuda_available"),
+    ("Transformer Engine", "te"),
+    ("TE core", "te_core"),
+    ("TE torch", "te_torch"),
+    ("TE cuDNN", "te_cudnn"),
+)
+_FLASH_LABELS = {"v2": "flash-attn v2", "v3": "flash-attn v3", "v4": "flash-attn v4"}
+NONE_SET = "none set"
+
+
+def _fact_cell(fact: Fact) -> tuple[str, Kind]:
+    if fact.value is None:
+        return (f"n/a ({fact.note})" if fact.note else "n/a"), "missing"
+    if fact.note:
+        return f"{fact.value} ({fact.note})", "warn"
+    return fact.value, "ok"
+
+
+def _rows(env: EnvReport) -> list[tuple[str, str, Kind]]:
+    rows: list[tuple[str, str, Kind]] = []
+
+    def add(label: str, fact: Fact) -> None:
+        rows.append((label, *_fact_cell(fact)))
+
+    add("Python", env.python)
+    add("platform", env.platform)
+    add("NVIDIA driver", env.driver)
+    for gpu in env.gpus:
+        rows.append((f"GPU {gpu.index}", f"{gpu.name}, {gpu.sm}, {gpu.memory_total_mib} MiB", "ok"))
+    if not env.gpus:
+        rows.append(("GPUs", f"n/a ({env.gpus_note})" if env.gpus_note else "n/a", "missing"))
+    elif env.gpus_note:
+        rows.append(("GPU notes", env.gpus_note, "warn"))
+    for label, name in _FACTS:
+        add(label, getattr(env, name))
+    for key in ("v2", "v3", "v4"):
+        add(_FLASH_LABELS[key], env.flash_attn.get(key, Fact(None, "not recorded")))
+    for key in sorted(set(env.flash_attn) - set(_FLASH_LABELS)):
+        add(f"flash-attn {key}", env.flash_attn[key])
+    env_text = "\n".join(f"{k}={v}" for k, v in env.env_vars.items())
+    rows.append(("env vars", env_text or NONE_SET, "ok" if env_text else "missing"))
+    return rows
+
+
+def env_rows(env: EnvReport) -> list[tuple[str, str]]:
+    """(label, value) pairs in a stable order; a missing value reads ``n/a (note)``.
+
+    The "env vars" value holds one ``NAME=value`` per line.
+    """
+    return [(label, value) for label, value, _ in _rows(env)]
+
+
+_STYLE: dict[Kind, str] = {"ok": "", "warn": "yellow", "missing": "dim"}
+
+
+def env_rich_table(env: EnvReport) -> Table:
+    """A two-column rich table; warnings in yellow, missing facts dimmed."""
+    table = Table(title="Environment", show_header=True, header_style="bold")
+    table.add_column("fact", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for label, value, kind in _rows(env):
+        table.add_row(label, Text(value, style=_STYLE[kind]))
+    return table
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+
+def env_markdown(env: EnvReport) -> str:
+    """A GitHub Markdown table ``| fact | value |`` ready to paste into an issue."""
+    lines = ["| fact | value |", "| --- | --- |"]
+    for label, value, _ in _rows(env):
+        if label == "env vars":
+            cell = "<br>".join(_md_cell(f"{k}={v}") for k, v in env.env_vars.items()) or f"*{NONE_SET}*"
+        else:
+            cell = _md_cell(value)
+        lines.append(f"| {_md_cell(label)} | {cell} |")
+    return "\n".join(lines) + "\n"

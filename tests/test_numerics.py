@@ -1,0 +1,347 @@
+"""Numerics on CPU: the float64 reference, the metrics, the verdict rule, and real and faulty kernels.
+
+Kernels run through `runner.run_jobs`, i.e. in real worker processes exactly as `attn-doctor run` runs them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attn_doctor import metrics
+from attn_doctor.backends import BackendSpec
+from attn_doctor.backends.kernel import parse_kernel_spec
+from attn_doctor.case import make_case
+from attn_doctor.diagnosis import find_faulty, summarize
+from attn_doctor.layouts import LAYOUTS
+from attn_doctor.metrics import TensorMetrics, compare
+from attn_doctor.reference import attention_reference, naive_reference
+from attn_doctor.runner import plan_jobs, run_jobs
+from attn_doctor.verdict import EPS, FAIL, PASS, SKIP, TENSORS, judge_tensor
+
+FAULTY_NAMES = ("correct_fp32", "dq_two_percent", "causal_shift_backward", "nan_one_head_dk", "ignores_strides")
+VIEW_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "contiguous")
+
+
+def _randn(*shape, seed, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# --- the float64 reference --------------------------------------------------------------------------------
+
+REFERENCE_SHAPES = [
+    # batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, window
+    (2, 64, 64, 4, 4, 16, True, None),
+    (2, 64, 64, 4, 4, 16, False, None),
+    (1, 100, 100, 8, 2, 8, True, None),  # GQA, 100 rows: a partial last block
+    (2, 48, 80, 4, 1, 16, False, None),  # seq_kv > seq, multi-query
+    (2, 80, 48, 4, 2, 16, True, None),  # seq_kv < seq, causal top-left aligned
+    (1, 96, 96, 4, 4, 8, True, (20, 0)),  # causal sliding window
+    (1, 96, 96, 4, 2, 8, False, (10, 5)),  # two-sided window, GQA
+    (1, 96, 96, 2, 2, 8, False, (-1, 3)),  # right-bounded only
+    (1, 64, 16, 2, 1, 8, False, (1, 0)),  # rows 17.. see no key at all
+]
+
+
+@pytest.mark.parametrize("block_bytes", [None, 1, 40_000], ids=["one-block", "16-row-blocks", "mid-blocks"])
+@pytest.mark.parametrize("shape", REFERENCE_SHAPES, ids=lambda s: "b{}-s{}-skv{}-h{}-kv{}-d{}-{}-w{}".format(*s))
+def test_blockwise_reference_matches_naive(shape, block_bytes):
+    batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, window = shape
+    q = _randn(batch, seq_q, heads, head_dim, seed=1)
+    k = _randn(batch, seq_kv, kv_heads, head_dim, seed=2)
+    v = _randn(batch, seq_kv, kv_heads, head_dim, seed=3)
+    dout = _randn(batch, seq_q, heads, head_dim, seed=4)
+    scale = 1 / math.sqrt(head_dim)
+    got = attention_reference(q, k, v, dout, causal=causal, softmax_scale=scale, window=window, block_bytes=block_bytes)
+    want = naive_reference(q, k, v, dout, causal=causal, softmax_scale=scale, window=window)
+    for name in TENSORS:
+        assert getattr(got, name).shape == getattr(want, name).shape, name
+        assert torch.isfinite(getattr(got, name)).all(), name
+        assert _rel(getattr(got, name), getattr(want, name)) < 1e-12, name
+    assert torch.equal(torch.isinf(got.lse), torch.isinf(want.lse))
+    finite = torch.isfinite(want.lse)
+    assert _rel(got.lse[finite], want.lse[finite]) < 1e-12
+
+
+def test_reference_takes_low_precision_strided_inputs():
+    """bf16 views (transposed storage, a head slice) give exactly the reference of their contiguous copies."""
+    b, s, h, d = 2, 40, 4, 8
+    q_wide = _randn(s, b, 2 * h, d, seed=5, dtype=torch.bfloat16)
+    q = q_wide.transpose(0, 1)[:, :, h:]  # non-contiguous, offset storage
+    k = _randn(s, b, h, d, seed=6, dtype=torch.bfloat16).transpose(0, 1)
+    v = _randn(b, s, h, d, seed=7, dtype=torch.bfloat16)
+    dout = _randn(b, s, h, d, seed=8, dtype=torch.bfloat16)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    got = attention_reference(q, k, v, dout, causal=True, softmax_scale=0.3, block_bytes=1)
+    want = naive_reference(*(t.contiguous() for t in (q, k, v, dout)), causal=True, softmax_scale=0.3)
+    assert got.out.dtype == torch.float64
+    for name in TENSORS:
+        assert _rel(getattr(got, name), getattr(want, name)) < 1e-12, name
+
+
+def test_reference_is_not_trivially_zero():
+    """Guard for the comparison above: a mask bug that zeroes everything would match itself."""
+    q, k, v, dout = (_randn(1, 32, 2, 8, seed=i) for i in range(4))
+    ref = attention_reference(q, k, v, dout, causal=True, softmax_scale=0.35)
+    assert ref.out.abs().sum() > 0 and ref.dk.abs().sum() > 0
+    # Row 0 under a causal mask sees only key 0: its output is v[:, 0] exactly.
+    torch.testing.assert_close(ref.out[:, 0], v[:, 0], rtol=1e-12, atol=1e-12)
+    unmasked = attention_reference(q, k, v, dout, causal=False, softmax_scale=0.35)
+    assert _rel(unmasked.out, ref.out) > 0.1
+
+
+# --- metrics ----------------------------------------------------------------------------------------------
+
+def test_compare_identical_is_exact():
+    ref = _randn(2, 16, 3, 8, seed=9)
+    m = compare(ref.clone(), ref)
+    assert m.rel_err == 0 and m.max_abs_err == 0 and m.worst_head_rel_err == 0
+    assert m.cosine == pytest.approx(1.0, abs=1e-12)
+    assert (m.nan, m.inf, m.ref_nonfinite) == (0, 0, 0)
+
+
+def test_compare_scaled_and_one_head_error():
+    ref = _randn(2, 16, 3, 8, seed=10)
+    m = compare(ref * 1.01, ref)
+    assert m.rel_err == pytest.approx(0.01, rel=1e-9)
+    assert m.worst_head_rel_err == pytest.approx(0.01, rel=1e-9)
+    assert m.cosine == pytest.approx(1.0, abs=1e-12)
+    assert m.max_abs_err == pytest.approx(float(ref.abs().max()) * 0.01, rel=1e-9)
+
+    one_head = ref.clone()
+    one_head[1, :, 2] *= 1.3  # batch 1, head 2 only
+    m = compare(one_head, ref)
+    assert m.worst_head_rel_err == pytest.approx(0.3, rel=1e-9)
+    assert m.rel_err < 0.3 / 2  # averaged over 6 (batch, head) slices
+    assert m.cosine < 1.0
+
+
+def test_compare_low_precision_candidate_and_strides():
+    ref = _randn(2, 16, 3, 8, seed=11)
+    cand = ref.to(torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1)  # bf16, non-contiguous
+    m = compare(cand, ref)
+    assert 0 < m.rel_err < EPS["bf16"]
+    assert m.cosine > 0.9999
+
+
+def test_compare_counts_nan_and_inf():
+    ref = _randn(2, 16, 3, 8, seed=12)
+    cand = ref.clone()
+    cand[0, 0, 0, :3] = float("nan")
+    cand[1, 5, 1, 0] = float("inf")
+    m = compare(cand, ref)
+    assert (m.nan, m.inf, m.ref_nonfinite) == (3, 1, 0)
+    assert m.rel_err == 0  # measured over entries finite in both
+    ref_bad = ref.clone()
+    ref_bad[0, 1, 0, 0] = float("nan")
+    assert compare(ref.clone(), ref_bad).ref_nonfinite == 1
+
+
+def test_compare_chunking_gives_the_same_answer(monkeypatch):
+    ref = _randn(2, 50, 3, 8, seed=13)
+    cand = ref + 1e-3 * _randn(2, 50, 3, 8, seed=14)
+    whole = compare(cand, ref)
+    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 7)  # several positions per chunk, a partial last chunk
+    chunked = compare(cand, ref)
+    for field in ("rel_err", "max_abs_err", "cosine", "worst_head_rel_err"):
+        assert getattr(chunked, field) == pytest.approx(getattr(whole, field), rel=1e-12), field
+
+
+def test_compare_refuses_shape_mismatch():
+    with pytest.raises(ValueError, match="shape"):
+        compare(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 4, 3, dtype=torch.float64))
+
+
+# --- the verdict rule on its own ---------------------------------------------------------------------------
+
+def _metrics(rel, worst=None, nan=0, inf=0, ref_nonfinite=0):
+    return TensorMetrics(rel, rel, 1.0, rel if worst is None else worst, nan, inf, ref_nonfinite)
+
+
+def test_judge_tensor_threshold():
+    base = _metrics(4e-3)
+    threshold = 3 * 4e-3 + 0.1 * EPS["bf16"]
+    assert judge_tensor("dq", _metrics(threshold * 0.999), base, "bf16").verdict == PASS
+    failed = judge_tensor("dq", _metrics(threshold * 1.001), base, "bf16")
+    assert failed.verdict == FAIL and "baseline" in failed.why
+    assert failed.threshold == pytest.approx(threshold)
+    assert failed.ratio == pytest.approx(threshold * 1.001 / 4e-3)
+
+
+def test_judge_tensor_worst_head_and_nonfinite():
+    base = _metrics(4e-3, worst=5e-3)
+    assert judge_tensor("dk", _metrics(4e-3, worst=0.05), base, "bf16").verdict == FAIL  # one bad head
+    nan = judge_tensor("dk", _metrics(4e-3, nan=2), base, "bf16")
+    assert nan.verdict == FAIL and "NaN" in nan.why
+    # NaN the reference shares is not the candidate's fault.
+    assert judge_tensor("dk", _metrics(4e-3, nan=2), _metrics(4e-3, ref_nonfinite=2), "bf16").verdict == PASS
+    # The floor: a zero-error baseline still lets a candidate within 0.1 eps (bf16/fp16) or 1 eps (fp32) pass.
+    assert judge_tensor("out", _metrics(0.05 * EPS["bf16"]), _metrics(0.0), "bf16").verdict == PASS
+    assert judge_tensor("out", _metrics(0.2 * EPS["bf16"]), _metrics(0.0), "bf16").verdict == FAIL
+    assert judge_tensor("out", _metrics(0.5 * EPS["fp32"]), _metrics(0.0), "fp32").verdict == PASS
+    assert judge_tensor("out", _metrics(2.0 * EPS["fp32"]), _metrics(0.0), "fp32").verdict == FAIL
+
+
+# --- real PyTorch kernels on CPU ----------------------------------------------------------------------------
+
+REAL_CASES = [
+    make_case(batch=2, seq=64, heads=4, head_dim=16, dtype="bf16", mask="causal", seed=0),
+    make_case(batch=2, seq=64, heads=4, head_dim=16, dtype="bf16", mask="causal", seed=1),
+    make_case(batch=2, seq=96, heads=4, kv_heads=2, head_dim=32, dtype="fp16", mask="causal", seed=2),
+    make_case(batch=1, seq=64, seq_kv=128, heads=4, kv_heads=1, head_dim=16, dtype="fp16", mask="none", seed=3),
+    make_case(batch=2, seq=64, heads=4, kv_heads=2, head_dim=32, dtype="fp32", mask="none", seed=4),
+    make_case(batch=2, seq=128, heads=4, head_dim=16, dtype="fp32", mask="causal", seed=5),
+    make_case(batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, dtype="bf16", mask="causal", window=(16, 0), seed=6),
+]
+REAL_SPECS = [
+    BackendSpec("sdpa.math", "sdpa", {"kernel": "math"}),
+    BackendSpec("sdpa.flash", "sdpa", {"kernel": "flash"}),
+    BackendSpec("local", "local"),
+]
+
+
+@pytest.fixture(scope="module")
+def real_rows():
+    jobs = plan_jobs(REAL_CASES, REAL_SPECS, ["contiguous", "sbh3d_packed", "head_slice", "transposed"])
+    return run_jobs(jobs, "cpu", timeout_s=120).rows
+
+
+def test_real_cpu_kernels_pass(real_rows):
+    ran = [row for row in real_rows if row.verdict != SKIP]
+    bad = [(row.backend, row.layout, row.case.short(), row.verdict, row.reason) for row in ran if row.verdict != PASS]
+    assert not bad
+    for row in ran:
+        assert set(row.tensors) == set(TENSORS)
+        assert all(t.verdict == PASS for t in row.tensors.values())
+        assert all(0 < t.rel_err < 10 * EPS[row.case.dtype] for t in row.tensors.values())  # really measured
+
+
+def test_real_cpu_kernels_all_ran(real_rows):
+    """Every backend ran on every case (none silently skipped), and SDPA says which kernel it ran."""
+    for case in REAL_CASES:
+        for spec in REAL_SPECS:
+            rows = [r for r in real_rows if r.case == case and r.backend == spec.name]
+            assert {r.layout for r in rows if r.verdict == PASS} >= {"contiguous", "head_slice", "transposed"}
+            assert all(r.verdict == PASS or "packs" in r.reason for r in rows)
+    flash = [r for r in real_rows if r.backend == "sdpa.flash" and r.verdict == PASS]
+    assert all("flash" in r.ran.lower() for r in flash)
+
+
+def test_real_cpu_kernels_summary(real_rows):
+    faulty = find_faulty(real_rows)
+    assert faulty == []
+    assert summarize(real_rows, faulty).startswith("All ")
+
+
+# --- faulty kernels, passed as --kernel targets --------------------------------------------------------------
+
+FAULTY_CASES = [
+    make_case(batch=2, seq=64, heads=4, head_dim=16, dtype="bf16", mask="causal", seed=0),
+    make_case(batch=2, seq=96, heads=4, kv_heads=2, head_dim=32, dtype="bf16", mask="causal", seed=1),
+]
+
+
+@pytest.fixture(scope="module")
+def faulty_outcome(faulty_path):
+    specs = [parse_kernel_spec(f"{faulty_path}:{name}") for name in FAULTY_NAMES]
+    rows = run_jobs(plan_jobs(FAULTY_CASES, specs, list(LAYOUTS)), "cpu", timeout_s=120).rows
+    faulty = find_faulty(rows)
+    return rows, faulty, summarize(rows, faulty)
+
+
+def _rows_of(rows, backend):
+    found = [row for row in rows if row.backend == backend and row.verdict != SKIP]
+    assert found, backend
+    return found
+
+
+def _verdicts(row):
+    return {name: t.verdict for name, t in row.tensors.items()}
+
+
+def test_faulty_kernels_ran_on_every_layout(faulty_outcome):
+    rows, _, _ = faulty_outcome
+    for name in FAULTY_NAMES:
+        for case in FAULTY_CASES:
+            got = {r.layout for r in rows if r.backend == name and r.case == case and r.verdict != SKIP}
+            want = set(LAYOUTS) - ({"sb3hd_packed"} if case.num_kv_heads != case.heads else set())
+            assert got == want, (name, case.short())
+    assert not [r for r in rows if r.verdict == "ERROR"]
+
+
+def test_correct_fp32_kernel_passes(faulty_outcome):
+    rows, faulty, _ = faulty_outcome
+    for row in _rows_of(rows, "correct_fp32"):
+        assert row.verdict == PASS, (row.layout, row.reason)
+        assert row.ran.endswith("faulty.py:correct_fp32")
+    assert "correct_fp32" not in {f.backend for f in faulty}
+
+
+def test_dq_two_percent_fails_on_dq_only(faulty_outcome):
+    rows, faulty, summary = faulty_outcome
+    for row in _rows_of(rows, "dq_two_percent"):
+        assert _verdicts(row) == {"out": PASS, "dq": FAIL, "dk": PASS, "dv": PASS}, row.layout
+        assert row.tensors["dq"].rel_err == pytest.approx(0.02, rel=0.15)
+        assert row.reason.startswith("dq:")
+    (entry,) = [f for f in faulty if f.backend == "dq_two_percent"]
+    assert entry.tensors == ("dq",) and entry.verdict == FAIL
+    assert "dq_two_percent" in summary and "wrong dq " in summary
+
+
+def test_causal_shift_backward_fails_on_gradients_only(faulty_outcome):
+    rows, faulty, summary = faulty_outcome
+    for row in _rows_of(rows, "causal_shift_backward"):
+        assert _verdicts(row) == {"out": PASS, "dq": FAIL, "dk": FAIL, "dv": FAIL}, row.layout
+    (entry,) = [f for f in faulty if f.backend == "causal_shift_backward"]
+    assert entry.tensors == ("dq", "dk", "dv")
+    assert "causal_shift_backward" in summary
+
+
+def test_nan_in_one_dk_head_fails_on_dk(faulty_outcome):
+    rows, faulty, summary = faulty_outcome
+    for row in _rows_of(rows, "nan_one_head_dk"):
+        assert _verdicts(row) == {"out": PASS, "dq": PASS, "dk": FAIL, "dv": PASS}, row.layout
+        case = row.case
+        assert row.tensors["dk"].nan == case.batch * case.seq_k * case.head_dim  # exactly one kv head
+        assert "NaN" in row.reason and row.reason.startswith("dk:")
+    (entry,) = [f for f in faulty if f.backend == "nan_one_head_dk"]
+    assert entry.tensors == ("dk",)
+    assert "nan_one_head_dk" in summary
+
+
+def test_ignores_strides_fails_only_on_views(faulty_outcome):
+    rows, faulty, summary = faulty_outcome
+    for row in _rows_of(rows, "ignores_strides"):
+        if row.layout == "contiguous":
+            assert row.verdict == PASS, row.reason
+        else:
+            assert row.verdict == FAIL, row.layout
+            assert row.tensors["out"].verdict == FAIL, row.layout  # the forward already reads garbage
+    (entry,) = [f for f in faulty if f.backend == "ignores_strides"]
+    assert set(entry.layouts) == set(VIEW_LAYOUTS)
+    assert "out" in entry.tensors
+    assert "ignores_strides" in summary and "a wrong forward" in summary
+
+
+def test_faulty_summary_names_exactly_the_faulty_kernels(faulty_outcome):
+    _, faulty, summary = faulty_outcome
+    assert {f.backend for f in faulty} == set(FAULTY_NAMES) - {"correct_fp32"}
+    assert summary.startswith("Faulty: ")
+    assert "correct_fp32" not in summary
+    assert "local" not in {f.backend for f in faulty}
+
+
+def test_baseline_rows_are_the_reference_of_the_ratios(faulty_outcome):
+    rows, _, _ = faulty_outcome
+    baselines = [r for r in rows if r.backend == "local"]
+    assert len(baselines) == len(FAULTY_CASES)
+    for row in baselines:
+        assert row.layout == "contiguous" and row.verdict == PASS
+        assert all(t.ratio == 1.0 for t in row.tensors.values())
