@@ -11,6 +11,8 @@ from typing import Any
 import click
 from rich.console import Console
 
+from attn_doctor.results import dumps, write_atomic
+
 from attn_doctor.case import DTYPES, MASKS, Case, load_recipe, make_case
 from attn_doctor.errors import BadInput
 from attn_doctor.layouts import LAYOUTS
@@ -163,9 +165,7 @@ def env(as_json: bool, no_te: bool) -> int:
 
     report = collect_env(probe_te=not no_te and te_installed())
     if as_json:
-        from attn_doctor.results import dumps
-
-        click.echo(dumps(report.to_dict()), nl=False)
+            click.echo(dumps(report.to_dict()), nl=False)
     else:
         _console().print(env_rich_table(report))
     return EXIT_OK
@@ -180,7 +180,6 @@ def run(json_path: Path | None, backends, kernels, layouts, device, timeout, **c
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.render.env_view import env_rich_table
     from attn_doctor.render.terminal import notes_lines, results_table
-    from attn_doctor.results import dumps, write_atomic
     from attn_doctor.runner import diagnose, resolve_device
 
     case = build_case(case_flags)
@@ -202,6 +201,131 @@ def run(json_path: Path | None, backends, kernels, layouts, device, timeout, **c
     return report.exit_code
 
 
+def grid_options(fn):
+    """The case flags of `sweep`: each takes a comma list; the sweep runs their cross product."""
+    options = [
+        click.option("--recipe", help="A TOML case from recipes/; its [grid] table may declare lists too."),
+        click.option("--batch", help="Batch sizes, e.g. 1,4."),
+        click.option("--seq", help="Query lengths, e.g. 512,1024,4096."),
+        click.option("--seq-kv", help="Key/value lengths (cross-attention)."),
+        click.option("--heads", help="Query heads."),
+        click.option("--kv-heads", help="Key/value heads, e.g. 16,4,1."),
+        click.option("--head-dim", help="Head dimensions, e.g. 64,128."),
+        click.option("--dtype", help=f"Dtypes among {', '.join(DTYPES)}."),
+        click.option("--mask", help=f"Masks among {', '.join(MASKS)}."),
+        click.option("--window", "windows", multiple=True, help="A sliding window LEFT,RIGHT (repeat for a grid)."),
+        click.option("--seed", help="Seeds."),
+        click.option("--layers", help="Depths of the GPT stack, e.g. 24,128 (checks dQ through L layers)."),
+        click.option("--tp", help="Tensor-parallel degrees, e.g. 1,2,4 (heads split into shards)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _choices(text: str, allowed: tuple[str, ...], name: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise BadInput(f"--{name} takes a comma list of {', '.join(allowed)}, got {text!r}")
+    return values
+
+
+def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]], list[int] | None, list[int] | None]:
+    """Base fields, gridded fields, depths and TP degrees from --recipe and the comma-list flags."""
+    base: dict[str, Any] = {}
+    grid: dict[str, list[Any]] = {}
+    depths = degrees = None
+    if options.get("recipe"):
+        recipe = load_recipe(options["recipe"])
+        base.update(recipe.case)
+        recipe_grid = dict(recipe.grid)
+        depths = recipe_grid.pop("layers", None)
+        degrees = recipe_grid.pop("tp", None)
+        grid.update(recipe_grid)
+    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "seed"):
+        if options.get(name) is not None:
+            grid[name] = _int_list(options[name], name.replace("_", "-"))
+    for name, allowed in (("dtype", DTYPES), ("mask", MASKS)):
+        if options.get(name) is not None:
+            grid[name] = _choices(options[name], allowed, name)
+    if options.get("windows"):
+        grid["window"] = [_window(w) for w in options["windows"]]
+    if options.get("layers") is not None:
+        depths = _int_list(options["layers"], "layers")
+    if options.get("tp") is not None:
+        degrees = _int_list(options["tp"], "tp")
+    for name, values in (("layers", depths), ("tp", degrees)):
+        if values is not None and (not values or any(v < 1 for v in values)):
+            raise BadInput(f"--{name} takes whole numbers >= 1, got {values}")
+    return base, grid, depths, degrees
+
+
+@cli.command()
+@grid_options
+@backend_options
+@click.option("--resume", type=click.Path(file_okay=False, path_type=Path),
+              help="Continue the sweep in this directory, skipping the points already in its results.jsonl.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for results.jsonl, results.json and the plot (default: reports/sweep-<stamp>).")
+def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, **grid_flags) -> int:
+    """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from attn_doctor import sweep as sweeping
+    from attn_doctor.render.terminal import depth_table, notes_lines, tally_table
+    from attn_doctor.runner import Session, finish_report, resolve_device
+
+    base, grid, depths, degrees = build_grid(grid_flags)
+    cases = sweeping.expand_grid(base, grid)
+    specs = build_specs(backends, kernels)
+    device = resolve_device(device)
+    if resume is not None and out_dir is not None and resume != out_dir:
+        raise BadInput("give either --resume DIR or --out DIR, not both")
+    directory = resume or out_dir or new_run_dir("sweep")
+    if resume is not None and not (resume / sweeping.RESULTS_FILE).exists():
+        raise BadInput(f"--resume {resume}: no {sweeping.RESULTS_FILE} there; start the sweep with --out instead")
+    log = sweeping.ResultsLog(directory)
+    done_rows, done_points = log.load()
+    points = sweeping.plan_points(cases, list(layouts or LAYOUTS), depths, degrees)
+    todo = [p for p in points if p.id not in done_points]
+    console = _console()
+    if done_points:
+        console.print(f"resuming {directory}: {len(points) - len(todo)} of {len(points)} points already done")
+    rows = list(done_rows)
+    total_jobs = sum(len(p.jobs(specs)) for p in todo)
+    with Session(device, timeout) as session, Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    ) as progress:
+        task = progress.add_task("sweep", total=total_jobs)
+        for point in todo:
+            progress.update(task, description=f"{point.case.short()} [{point.kind}]")
+            point_rows = session.run(point.jobs(specs), on_row=lambda _row: progress.advance(task))
+            log.append(point, point_rows)
+            rows.extend(point_rows)
+        report = finish_report(rows, device, _command_line(), te_facts=session.te_facts)
+    lines = sweeping.depth_lines(rows)
+    findings = sweeping.depth_findings(lines)
+    plot = sweeping.plot_depth(lines, directory / sweeping.PLOT_FILE) if lines else None
+    depth_text = sweeping.depth_sentence(findings)
+    if depth_text:
+        report.summary = f"{report.summary} {depth_text}"
+    report.artifacts = {"plot": plot.name} if plot else {}
+    console.print(tally_table(sweeping.tally(rows)))
+    if lines:
+        console.print(depth_table(lines))
+    for line in notes_lines([r for r in rows if r.verdict == "ERROR"]):
+        console.print(line)
+    console.print(report.summary, style="bold red" if report.faulty else "bold green")
+    write_atomic(directory / "results.json", dumps(report.to_dict()))
+    console.print(f"results: {directory / 'results.json'} (streamed: {log.path})")
+    if plot:
+        console.print(f"plot:    {plot}")
+    console.print(f"report:  attn-doctor report {directory} --format markdown")
+    return report.exit_code
+
+
 @cli.command()
 @click.argument("results", required=False, type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["markdown"]), default="markdown", show_default=True)
@@ -209,7 +333,7 @@ def run(json_path: Path | None, backends, kernels, layouts, device, timeout, **c
 def report(results: Path | None, fmt: str, output: Path | None) -> int:
     """Render a results document (default: the newest under reports/) for a bug report."""
     from attn_doctor.render.markdown import report_markdown
-    from attn_doctor.results import read_report, write_atomic
+    from attn_doctor.results import read_report
 
     path = results or newest_results()
     if path.is_dir():

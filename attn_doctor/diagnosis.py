@@ -6,23 +6,29 @@ from collections import defaultdict
 
 from attn_doctor.backends import BASELINE
 from attn_doctor.results import Faulty, Row
-from attn_doctor.verdict import ERROR, FAIL, PASS, SKIP, TENSORS, combine, judge_tensor
+from attn_doctor.verdict import ERROR, FAIL, PASS, combine, judge_tensor
 
 BASELINE_LAYOUT = "contiguous"
 
 
 def baseline_key(row: Row) -> tuple:
-    return (row.case.key(), tuple(sorted(row.coords.items())))
+    """Rows with equal keys are judged against the same baseline row (same inputs, same probe)."""
+    if row.coords.get("probe") == "depth":
+        return (row.case.key(), "depth", row.coords["layers"])
+    return (row.case.key(), "single call")
+
+
+def is_baseline(row: Row) -> bool:
+    if row.backend != BASELINE or not row.metrics:
+        return False
+    if row.coords.get("probe") == "depth":
+        return row.coords.get("tp", 1) == 1
+    return row.layout == BASELINE_LAYOUT and not row.coords
 
 
 def judge(rows: list[Row]) -> list[Row]:
     """Fill each measured row's per-tensor verdicts against the baseline row of the same inputs."""
-    baselines = {
-        baseline_key(row): row
-        for row in rows
-        if row.backend == BASELINE and row.layout == BASELINE_LAYOUT and row.verdict not in (SKIP, ERROR)
-        and row.metrics
-    }
+    baselines = {baseline_key(row): row for row in rows if is_baseline(row)}
     for row in rows:
         if not row.metrics:
             continue  # SKIP and ERROR rows keep the verdict the worker gave them
@@ -32,9 +38,9 @@ def judge(rows: list[Row]) -> list[Row]:
             row.reason = "no baseline: the local baseline did not run on these inputs"
             continue
         row.tensors = {
-            name: judge_tensor(name, row.metrics[name], baseline.metrics[name], row.case.dtype)
-            for name in TENSORS
-            if name in row.metrics
+            name: judge_tensor(name, metrics, baseline.metrics[name], row.case.dtype)
+            for name, metrics in row.metrics.items()
+            if name in baseline.metrics
         }
         row.verdict = combine([t.verdict for t in row.tensors.values()])
         if row.verdict == FAIL:
@@ -50,8 +56,10 @@ def find_faulty(rows: list[Row]) -> list[Faulty]:
             groups[row.backend].append(row)
     faulty = []
     for backend, bad in groups.items():
-        tensors = [name for name in TENSORS if any(name in row.failing_tensors for row in bad)]
+        tensors = list(dict.fromkeys(name for row in bad for name in row.failing_tensors))
         ratios = [t.ratio for row in bad for t in row.tensors.values() if t.verdict == FAIL]
+        nonfinite = [name for name in tensors if any(
+            (t := row.tensors.get(name)) is not None and t.verdict == FAIL and (t.nan or t.inf) for row in bad)]
         faulty.append(
             Faulty(
                 backend=backend,
@@ -61,6 +69,7 @@ def find_faulty(rows: list[Row]) -> list[Faulty]:
                 tensors=tuple(tensors),
                 cases=tuple(dict.fromkeys(row.case.short() for row in bad)),
                 worst_ratio=max(ratios) if ratios else float("nan"),
+                nonfinite=tuple(nonfinite),
             )
         )
     return faulty
@@ -88,8 +97,13 @@ def summarize(rows: list[Row], faulty: list[Faulty]) -> str:
         ran = f" [{f.ran}]" if f.ran and f.ran != f.backend else ""
         where = ", ".join(f.layouts)
         if f.verdict == FAIL:
-            ratio = f" (up to {f.worst_ratio:.1f}x the baseline's error)" if f.worst_ratio == f.worst_ratio else ""
-            sentences.append(f"{f.backend}{ran} computes {_tensor_phrase(f.tensors)}{ratio} on layout {where}")
+            if f.nonfinite:
+                how = f" (NaN/Inf in {', '.join(f.nonfinite)})"
+            elif f.worst_ratio == f.worst_ratio:
+                how = f" (up to {f.worst_ratio:.1f}x the baseline's error)"
+            else:
+                how = ""
+            sentences.append(f"{f.backend}{ran} computes {_tensor_phrase(f.tensors)}{how} on layout {where}")
         else:
             sentences.append(f"{f.backend}{ran} crashed or hung on layout {where}")
     return "Faulty: " + "; ".join(sentences) + "."

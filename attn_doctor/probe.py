@@ -6,6 +6,7 @@ backend and layout of the family that uses the same inputs shares one reference 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class ProbeOutcome:
     reason: str = ""
     metrics: dict[str, TensorMetrics] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # probe-specific facts (per-layer errors, pairwise distances)
 
     def to_dict(self) -> dict:
         return {
@@ -63,6 +65,7 @@ class ProbeOutcome:
             "reason": self.reason,
             "metrics": {name: m.to_dict() for name, m in self.metrics.items()},
             "seconds": self.seconds,
+            "extra": self.extra,
         }
 
 
@@ -123,3 +126,144 @@ def run_probe(backend: Backend, case: Case, layout: str, cache: CaseCache) -> Pr
     }
     seconds["compare"] = time.perf_counter() - start
     return ProbeOutcome("ok", ran=ran, metrics=metrics, seconds=seconds)
+
+
+def _relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (the quantity the bug reports measured between two implementations)."""
+    return compare(a, b.to(torch.float64)).rel_err
+
+
+def _grads(backend: Backend, q, k, v, dout, case: Case):
+    out = backend.forward(q, k, v, case)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def run_tp_probe(backend: Backend, case: Case, tp: int, shards_as: str, cache: CaseCache) -> ProbeOutcome:
+    """Split the heads into `tp` shards as Megatron's tensor parallelism does; run each as its own call
+    (`shards_as` "views": head slices of the full tensors; "copies": contiguous copies), join the shards'
+    outputs and gradients, and measure them against float64 and against the unsharded (TP=1) run."""
+    device = cache.device
+    if case.heads % tp or case.num_kv_heads % tp:
+        return ProbeOutcome("skip", reason=f"TP={tp} needs heads ({case.heads}) and kv heads "
+                                           f"({case.num_kv_heads}) divisible by {tp}")
+    why_not = backend.unsupported(case, device)
+    if why_not:
+        return ProbeOutcome("skip", reason=why_not)
+    inputs, reference = cache.get(case)
+    fmt = backend.qkv_format
+    full = layouts.build("contiguous", inputs.q, inputs.k, inputs.v, fmt)
+    dout = layouts.to_format(inputs.dout, fmt).contiguous()
+    shard_case = dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
+    hq, hkv = shard_case.heads, shard_case.num_kv_heads
+    start = time.perf_counter()
+    try:
+        unsharded = [t.detach() for t in _grads(backend, full.q, full.k, full.v, dout, case)]
+        parts = []
+        for shard in range(tp):
+            q = full.q[:, :, shard * hq:(shard + 1) * hq]
+            k = full.k[:, :, shard * hkv:(shard + 1) * hkv]
+            v = full.v[:, :, shard * hkv:(shard + 1) * hkv]
+            if shards_as == "copies":
+                q, k, v = (t.contiguous() for t in (q, k, v))
+            parts.append(_grads(backend, q, k, v, dout[:, :, shard * hq:(shard + 1) * hq].contiguous(), shard_case))
+    except Unsupported as exc:
+        return ProbeOutcome("skip", reason=str(exc))
+    synchronize(device)
+    seconds = {"reference": cache.reference_seconds, "kernel": time.perf_counter() - start}
+    joined = [torch.cat([p[i].detach() for p in parts], dim=2) for i in range(4)]
+    names = ("out", "dq", "dk", "dv")
+    metrics = {
+        name: compare(layouts.to_bshd(t, fmt), reference.tensors()[name]) for name, t in zip(names, joined)
+    }
+    extra = {
+        f"{name}_vs_tp1": _relative_distance(layouts.to_bshd(t, fmt), layouts.to_bshd(u, fmt))
+        for name, t, u in zip(names, joined, unsharded)
+    }
+    return ProbeOutcome("ok", ran=backend.ran(parts[-1][0]), metrics=metrics, seconds=seconds, extra=extra)
+
+
+class BackendAttention:
+    """The backend as the core attention of a stack: sbhd in, sbhd out, whatever format it wants."""
+
+    def __init__(self, backend: Backend, case: Case):
+        self.backend, self.case = backend, case
+        self.last_out: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend.qkv_format == "bshd":
+            out = self.backend.forward(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.case)
+            self.last_out = out
+            return out.transpose(0, 1)
+        self.last_out = self.backend.forward(q, k, v, self.case)
+        return self.last_out
+
+
+class DepthCache:
+    """Per (case, layers): the float64 replica's and the local baseline's dQ at every layer."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._key: tuple | None = None
+        self.reference: list[torch.Tensor] = []
+        self.baseline: list[torch.Tensor] = []
+        self.reference_seconds = 0.0
+
+    def get(self, case: Case, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        from attn_doctor.backends import BASELINE, BackendSpec, build
+        from attn_doctor.stack import float64_attention, make_stack, run_stack
+
+        key = (case.key(), layers)
+        if key != self._key:
+            self.reference = self.baseline = []
+            stack = make_stack(case, layers, self.device, TORCH_DTYPES[case.dtype])
+            start = time.perf_counter()
+            self.reference = run_stack(stack.to(torch.float64), case, float64_attention(case))
+            synchronize(self.device)
+            self.reference_seconds = time.perf_counter() - start
+            local = build(BackendSpec(BASELINE, "local"))
+            self.baseline = run_stack(stack, case, BackendAttention(local, case))
+            self._key = key
+        return self.reference, self.baseline
+
+
+def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: DepthCache) -> ProbeOutcome:
+    """dQ at every layer of an L-layer stack with `backend` as core attention (TP shards inside), against
+    the float64 replica and against the local baseline's stack; metrics for the first and last layer."""
+    from attn_doctor.stack import make_stack, run_stack
+
+    device = cache.device
+    if case.heads % tp or case.num_kv_heads % tp:
+        return ProbeOutcome("skip", reason=f"TP={tp} needs heads ({case.heads}) and kv heads "
+                                           f"({case.num_kv_heads}) divisible by {tp}")
+    why_not = backend.unsupported(case, device)
+    if why_not:
+        return ProbeOutcome("skip", reason=why_not)
+    reference, baseline = cache.get(case, layers)
+    shard_case = dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
+    stack = make_stack(case, layers, device, TORCH_DTYPES[case.dtype])
+    start = time.perf_counter()
+    attention = BackendAttention(backend, shard_case)
+    try:
+        dqs = run_stack(stack, case, attention, tp=tp)
+        unsharded = run_stack(stack, case, BackendAttention(backend, case)) if tp > 1 else None
+    except Unsupported as exc:
+        return ProbeOutcome("skip", reason=str(exc))
+    synchronize(device)
+    seconds = {"reference": cache.reference_seconds, "kernel": time.perf_counter() - start}
+
+    def bshd(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1)
+
+    by_layer = [compare(bshd(d), bshd(r)) for d, r in zip(dqs, reference)]
+    base_by_layer = [compare(bshd(b), bshd(r)) for b, r in zip(baseline, reference)]
+    extra = {
+        "layers": layers,
+        "dq_rel_err_by_layer": [m.rel_err for m in by_layer],
+        "baseline_dq_rel_err_by_layer": [m.rel_err for m in base_by_layer],
+        "dq_first_vs_baseline": _relative_distance(bshd(dqs[0]), bshd(baseline[0])),
+        "dq_last_vs_baseline": _relative_distance(bshd(dqs[-1]), bshd(baseline[-1])),
+    }
+    if unsharded is not None:
+        extra["dq_first_vs_tp1"] = _relative_distance(bshd(dqs[0]), bshd(unsharded[0]))
+    return ProbeOutcome("ok", ran=backend.ran(attention.last_out), metrics={"dq_first": by_layer[0], "dq_last": by_layer[-1]},
+                        seconds=seconds, extra=extra)

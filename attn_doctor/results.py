@@ -37,7 +37,8 @@ class Row:
     metrics: dict[str, TensorMetrics] = field(default_factory=dict)
     tensors: dict[str, TensorVerdict] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-    coords: dict[str, Any] = field(default_factory=dict)  # sweep coordinates beyond the case (layers, tp)
+    coords: dict[str, Any] = field(default_factory=dict)  # probe coordinates beyond the case (layers, tp)
+    extra: dict[str, Any] = field(default_factory=dict)  # probe-specific facts (per-layer errors, distances)
 
     @property
     def failing_tensors(self) -> list[str]:
@@ -54,6 +55,7 @@ class Row:
             "detail": self.detail,
             "case": self.case.to_dict(),
             "coords": self.coords,
+            "extra": self.extra,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
             "seconds": self.seconds,
         }
@@ -73,6 +75,7 @@ class Row:
             tensors=tensors,
             seconds=d.get("seconds", {}),
             coords=d.get("coords", {}),
+            extra=d.get("extra", {}),
         )
 
 
@@ -87,6 +90,7 @@ class Faulty:
     tensors: tuple[str, ...]
     cases: tuple[str, ...]
     worst_ratio: float
+    nonfinite: tuple[str, ...] = ()  # failing tensors that hold NaN or Inf
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,12 +101,14 @@ class Faulty:
             "tensors": list(self.tensors),
             "cases": list(self.cases),
             "worst_ratio": self.worst_ratio,
+            "nonfinite": list(self.nonfinite),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Faulty":
         return cls(d["backend"], d.get("ran", ""), d.get("verdict", "FAIL"), tuple(d.get("layouts", ())),
-                   tuple(d.get("tensors", ())), tuple(d.get("cases", ())), float(d.get("worst_ratio", math.nan)))
+                   tuple(d.get("tensors", ())), tuple(d.get("cases", ())), float(d.get("worst_ratio", math.nan)),
+                   tuple(d.get("nonfinite", ())))
 
 
 @dataclass
@@ -116,6 +122,7 @@ class RunReport:
     tool_version: str = ""
     created: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
+    artifacts: dict[str, str] = field(default_factory=dict)  # files beside the document, e.g. {"plot": "depth.png"}
 
     @property
     def exit_code(self) -> int:
@@ -134,6 +141,7 @@ class RunReport:
             "faulty": [f.to_dict() for f in self.faulty],
             "results": [row.to_dict() for row in self.rows],
             "seconds": self.seconds,
+            "artifacts": self.artifacts,
         }
 
     @classmethod
@@ -151,6 +159,7 @@ class RunReport:
                 tool_version=d.get("tool_version", ""),
                 created=d.get("created", ""),
                 seconds=d.get("seconds", {}),
+                artifacts=d.get("artifacts", {}),
             )
         except (KeyError, TypeError, ValueError, BadInput) as exc:
             raise BadInput(f"{source} is damaged ({type(exc).__name__}: {exc}); re-run attn-doctor to regenerate it") from None

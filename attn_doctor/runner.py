@@ -27,6 +27,12 @@ class Job:
     spec: BackendSpec
     case: Case
     layout: str
+    kind: str = "layout"  # "layout": one call on one layout; "tp": head shards; "depth": an L-layer stack
+    params: dict = field(default_factory=dict)  # tp: {"tp", "shards_as"}; depth: {"layers", "tp"}
+
+    @property
+    def coords(self) -> dict:
+        return {"probe": self.kind, **self.params} if self.kind != "layout" else {}
 
 
 @dataclass
@@ -46,6 +52,32 @@ def plan_jobs(cases: list[Case], specs: list[BackendSpec], layouts: list[str]) -
                 if spec.name == BASELINE and layout == BASELINE_LAYOUT:
                     continue
                 jobs.append(Job(spec, case, layout))
+    return jobs
+
+
+def plan_tp_jobs(case: Case, specs: list[BackendSpec], degrees: list[int]) -> list[Job]:
+    """Per backend and TP degree t: the t shards as views of the full tensors and as contiguous copies."""
+    jobs = [Job(BackendSpec(BASELINE, "local"), case, BASELINE_LAYOUT)]
+    for spec in specs:
+        for tp in degrees:
+            variants = [("views", "head_slice"), ("copies", "contiguous")] if tp > 1 else [("views", "contiguous")]
+            for shards_as, layout in variants:
+                jobs.append(Job(spec, case, layout, "tp", {"tp": tp, "shards_as": shards_as}))
+    return jobs
+
+
+DEPTH_LAYOUT = "sbh3d_packed"  # the stack feeds attention Megatron's split of the mixed qkv tensor
+
+
+def plan_depth_jobs(case: Case, specs: list[BackendSpec], depths: list[int], degrees: list[int]) -> list[Job]:
+    jobs = []
+    for layers in depths:
+        jobs.append(Job(BackendSpec(BASELINE, "local"), case, DEPTH_LAYOUT, "depth", {"layers": layers, "tp": 1}))
+        for spec in specs:
+            for tp in degrees:
+                if spec.name == BASELINE and tp == 1:
+                    continue
+                jobs.append(Job(spec, case, DEPTH_LAYOUT, "depth", {"layers": layers, "tp": tp}))
     return jobs
 
 
@@ -73,6 +105,8 @@ def _row(job: Job, reply: dict) -> Row:
         detail=reply.get("detail", ""),
         metrics=metrics,
         seconds=reply.get("seconds", {}),
+        coords=job.coords,
+        extra=reply.get("extra", {}),
     )
 
 
@@ -84,44 +118,70 @@ def run_jobs(
     on_row: Callable[[Row], None] | None = None,
 ) -> RunOutcome:
     """Execute every job and return judged rows in the order of `jobs`."""
-    results: dict[int, Row] = {}
-    by_family: dict[str, list[int]] = {}
-    for index, job in enumerate(jobs):
-        reason = _static_skip(job, device)
-        if reason is not None:
-            results[index] = Row(job.spec.name, job.spec.family, job.layout, job.case, SKIP, reason=reason)
-            if on_row:
-                on_row(results[index])
-        else:
-            by_family.setdefault(job.spec.family, []).append(index)
+    with Session(device, timeout_s) as session:
+        rows = session.run(jobs, on_row=on_row)
+        return RunOutcome(rows=rows, te_facts=session.te_facts, worker_starts=session.worker_starts)
 
-    workers = {family: Worker(family, device, timeout_s) for family in by_family}
 
-    def serve(family: str) -> None:
-        worker = workers[family]
-        try:
+class Session:
+    """Worker processes kept across groups of jobs (a sweep's grid points), one per backend family."""
+
+    def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.device = device
+        self.timeout_s = timeout_s
+        self.workers: dict[str, Worker] = {}
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+    @property
+    def te_facts(self) -> dict | None:
+        worker = self.workers.get("te")
+        return (worker.hello or {}).get("te_facts") if worker and worker.hello else None
+
+    @property
+    def worker_starts(self) -> dict[str, int]:
+        return {family: w.starts for family, w in self.workers.items()}
+
+    def run(self, jobs: list[Job], on_row: Callable[[Row], None] | None = None) -> list[Row]:
+        """Execute every job (families concurrently) and return judged rows in the order of `jobs`."""
+        results: dict[int, Row] = {}
+        by_family: dict[str, list[int]] = {}
+        for index, job in enumerate(jobs):
+            reason = _static_skip(job, self.device)
+            if reason is not None:
+                results[index] = Row(job.spec.name, job.spec.family, job.layout, job.case, SKIP, reason=reason,
+                                     coords=job.coords)
+                if on_row:
+                    on_row(results[index])
+            else:
+                by_family.setdefault(job.spec.family, []).append(index)
+        for family in by_family:
+            self.workers.setdefault(family, Worker(family, self.device, self.timeout_s))
+
+        def serve(family: str) -> None:
+            worker = self.workers[family]
             for index in by_family[family]:
                 job = jobs[index]
-                reply = worker.request(
-                    {"op": "run", "backend": job.spec.to_dict(), "case": job.case.to_dict(), "layout": job.layout}
-                )
+                reply = worker.request({
+                    "op": "run", "kind": job.kind, "params": job.params, "backend": job.spec.to_dict(),
+                    "case": job.case.to_dict(), "layout": job.layout,
+                })
                 results[index] = _row(job, reply)
                 if on_row:
                     on_row(results[index])
-        finally:
-            worker.close()
 
-    with ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
-        for future in [pool.submit(serve, family) for family in workers]:
-            future.result()
-
-    te_worker = workers.get("te")
-    rows = judge([results[i] for i in range(len(jobs))])
-    return RunOutcome(
-        rows=rows,
-        te_facts=(te_worker.hello or {}).get("te_facts") if te_worker else None,
-        worker_starts={family: w.starts for family, w in workers.items()},
-    )
+        with ThreadPoolExecutor(max_workers=max(1, len(by_family))) as pool:
+            for future in [pool.submit(serve, family) for family in by_family]:
+                future.result()
+        return judge([results[i] for i in range(len(jobs))])
 
 
 def resolve_device(name: str) -> str:
@@ -147,26 +207,33 @@ def diagnose(
     on_row: Callable[[Row], None] | None = None,
 ) -> RunReport:
     """The whole `run`: probes, verdicts, faulty paths, the summary sentence and the environment."""
-    import datetime
     import time
+
+    start = time.perf_counter()
+    outcome = run_jobs(plan_jobs(cases, specs, layouts), device, timeout_s=timeout_s, on_row=on_row)
+    probes_s = time.perf_counter() - start
+    report = finish_report(outcome.rows, device, command, te_facts=outcome.te_facts)
+    report.seconds = {"probes": probes_s, "total": time.perf_counter() - start}
+    return report
+
+
+def finish_report(rows: list[Row], device: str, command: str, te_facts: dict | None) -> RunReport:
+    """Judged rows -> the results document: faulty paths, summary sentence, environment."""
+    import datetime
 
     from attn_doctor import __version__
     from attn_doctor.diagnosis import find_faulty, summarize
     from attn_doctor.env import collect_env
 
-    start = time.perf_counter()
-    outcome = run_jobs(plan_jobs(cases, specs, layouts), device, timeout_s=timeout_s, on_row=on_row)
-    probes_s = time.perf_counter() - start
-    env = collect_env(te_facts=outcome.te_facts, probe_te=outcome.te_facts is None and te_installed())
-    faulty = find_faulty(outcome.rows)
+    env = collect_env(te_facts=te_facts, probe_te=te_facts is None and te_installed())
+    faulty = find_faulty(rows)
     return RunReport(
         command=command,
         device=device,
         env=env,
-        rows=outcome.rows,
+        rows=rows,
         faulty=faulty,
-        summary=summarize(outcome.rows, faulty),
+        summary=summarize(rows, faulty),
         tool_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        seconds={"probes": probes_s, "total": time.perf_counter() - start},
     )

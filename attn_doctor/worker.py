@@ -56,10 +56,11 @@ def main(argv: list[str]) -> int:
 
     from attn_doctor.backends import BackendSpec, build
     from attn_doctor.case import Case
-    from attn_doctor.probe import CaseCache, run_probe
+    from attn_doctor.probe import CaseCache, DepthCache, run_depth_probe, run_probe, run_tp_probe
 
     device = torch.device(device_name)
     cache = CaseCache(device)
+    depth_cache = DepthCache(device)
     backends: dict[str, object] = {}
     reply({"hello": hello})
 
@@ -76,7 +77,13 @@ def main(argv: list[str]) -> int:
             if spec.name not in backends:
                 backends[spec.name] = build(spec)
             case = Case.from_dict(request["case"])
-            outcome = run_probe(backends[spec.name], case, request["layout"], cache)
+            backend, kind, params = backends[spec.name], request.get("kind", "layout"), request.get("params", {})
+            if kind == "depth":
+                outcome = run_depth_probe(backend, case, params["layers"], params.get("tp", 1), depth_cache)
+            elif kind == "tp":
+                outcome = run_tp_probe(backend, case, params["tp"], params["shards_as"], cache)
+            else:
+                outcome = run_probe(backend, case, request["layout"], cache)
             reply({"id": job_id, **outcome.to_dict()})
         except Exception as exc:  # noqa: BLE001 - a failing kernel is an ERROR row, never a dead tool
             fatal = _is_cuda_fault(exc)

@@ -46,3 +46,32 @@ def notes_lines(rows: list[Row]) -> list[Text]:
             style = VERDICT_STYLE.get(row.verdict, "")
             lines.append(Text.assemble((f"{row.verdict} ", style), f"{row.backend} ({where}): {row.reason}"))
     return lines
+
+
+def tally_table(tallies) -> Table:
+    """Per backend: rows passing / failing / erroring / skipped, and the failing cases."""
+    table = Table(title="sweep summary", box=box.SIMPLE_HEAD, header_style="bold")
+    for name in ("backend", "pass", "fail", "error", "skip"):
+        table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=True)
+    table.add_column("failing cases", ratio=1)
+    for t in tallies:
+        failing = "\n".join(t.failing_cases[:8]) + (f"\n… {len(t.failing_cases) - 8} more" if len(t.failing_cases) > 8 else "")
+        table.add_row(t.backend, str(t.passed), Text(str(t.failed), style="red" if t.failed else ""),
+                      Text(str(t.errors), style="magenta" if t.errors else ""), str(t.skipped), failing)
+    return table
+
+
+def depth_table(lines) -> Table:
+    """dQ error at the first and last layer per backend and depth, against the baseline and pairwise."""
+    from attn_doctor.render.format import ratio, sci
+
+    table = Table(title="dQ against depth", box=box.SIMPLE_HEAD, header_style="bold")
+    for name in ("backend", "TP", "layers", "dQ err L1", "dQ err last", "local dQ err L1", "× base",
+                 "‖dQ−dQ_local‖ L1", "‖dQ−dQ_TP1‖ L1", "verdict"):
+        table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=True)
+    for line in sorted(lines, key=lambda l: (l.backend, l.tp, l.layers)):
+        table.add_row(line.backend, str(line.tp), str(line.layers), sci(line.dq_first), sci(line.dq_last),
+                      sci(line.baseline_dq_first), ratio(line.ratio), sci(line.vs_baseline),
+                      sci(line.vs_tp1) if line.vs_tp1 is not None else "",
+                      Text(line.verdict, style=VERDICT_STYLE.get(line.verdict, "")))
+    return table
