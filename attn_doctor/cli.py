@@ -24,7 +24,10 @@ REPORTS_DIR = Path("reports")
 class DoctorGroup(click.Group):
     """A group whose every bad input ends as one line on stderr and exit code 2, never a traceback."""
 
+    invoked_args: list[str] = []
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
+        DoctorGroup.invoked_args = list(sys.argv[1:] if args is None else args)
         try:
             code = super().main(args, prog_name or "attn-doctor", complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
@@ -48,7 +51,8 @@ def _console() -> Console:
 
 
 def _command_line() -> str:
-    return "attn-doctor " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "attn-doctor"
+    """The command as the user typed it, for the report's reproduce line."""
+    return " ".join(["attn-doctor", *(shlex.quote(str(a)) for a in DoctorGroup.invoked_args)])
 
 
 def _int_list(text: str | None, name: str) -> list[int] | None:
@@ -327,18 +331,129 @@ def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, **grid_f
 
 
 @cli.command()
+@case_options
+@backend_options
+@click.option("--tp", type=int, default=1, show_default=True, help="Start from TP shards of this degree.")
+@click.option("--layers", type=int, default=0, help="Start from an L-layer stack (0: one attention call).")
+@click.option("--from", "from_results", type=click.Path(path_type=Path),
+              help="Start from a failing row of a results file or sweep directory instead of the flags.")
+@click.option("--row", "row_index", type=int, default=0, show_default=True,
+              help="With --from: which failing row (0 = the first).")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Run each probe N times; any failing run counts (guards against nondeterministic kernels).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write {start_case, minimal_case, necessary, probes, repro} here.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the repro script goes (default: beside --from, else reports/bisect-<stamp>).")
+def bisect(backends, kernels, layouts, device, timeout, tp, layers, from_results, row_index, repeats, json_path,
+           out_dir, **case_flags) -> int:
+    """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
+    standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
+    from attn_doctor import __version__
+    from attn_doctor import bisect as bisecting
+    from attn_doctor.bisect_session import bisect_probe, depth_diagnosis
+    from attn_doctor.render.terminal import bisect_tables
+    from attn_doctor.repro import write_repro
+    from attn_doctor.runner import Session, resolve_device
+    from attn_doctor.env import collect_env
+
+    if repeats < 1:
+        raise BadInput("--repeats takes a whole number >= 1")
+    if from_results is not None:
+        spec, start, directory = _start_from_results(from_results, row_index)
+    else:
+        specs = build_specs(backends, kernels)
+        if len(specs) != 1:
+            raise BadInput("bisect follows one kernel path: give exactly one --backend or --kernel "
+                           f"(got {len(specs)}), or --from RESULTS")
+        if len(layouts) > 1:
+            raise BadInput("bisect starts from one layout: give --layout at most once")
+        spec = specs[0]
+        start = bisecting.Config(build_case(case_flags), layouts[0] if layouts else "contiguous", tp, layers)
+        directory = None
+    if not bisecting.valid_config(start):
+        raise BadInput(f"the starting point is impossible: {start.describe()} (check --layout, --tp and the heads)")
+    device = resolve_device(device)
+    directory = out_dir or directory or new_run_dir("bisect")
+    console = _console()
+    with Session(device, timeout) as session:
+        probe = bisect_probe(session, spec)
+        engine = bisecting.Bisector(probe, repeats=repeats, valid=bisecting.valid_config)
+        try:
+            with console.status(f"bisecting {spec.name} from {start.describe()}", spinner="dots"):
+                result = engine.run(start)
+        except bisecting.NothingToBisect as exc:
+            console.print(f"nothing to bisect: {exc}", style="bold yellow")
+            return EXIT_FAULT
+        diagnosis = depth_diagnosis(session, spec, result)
+        te_facts = session.te_facts
+    for renderable in bisect_tables(result, spec.name, diagnosis):
+        console.print(renderable)
+    env = collect_env(te_facts=te_facts, probe_te=False)
+    document = result.to_dict()
+    document["backend"] = spec.name
+    document["diagnosis"] = diagnosis
+    repro_config = result.minimal if not result.minimal.layers else bisecting.Config(result.minimal.case,
+                                                                                     result.minimal.layout)
+    repro = write_repro(directory, spec.name, spec.family, spec.options, repro_config, env, __version__,
+                        _command_line())
+    document["repro"] = str(repro)
+    console.print(f"repro:   {repro}  (python3 {repro.name}: exit 1 while wrong, 0 when fixed)")
+    if result.minimal.layers:
+        console.print("note: the failure needs depth; the repro checks the single call of the minimal case, "
+                      f"reproduce the stack with: attn-doctor sweep --backend {spec.name} "
+                      f"{result.minimal.case.cli_flags()} --layers {result.minimal.layers}")
+    if json_path:
+        write_atomic(json_path, dumps(document))
+        console.print(f"json:    {json_path}")
+    return EXIT_OK
+
+
+def _start_from_results(path: Path, index: int):
+    from attn_doctor.backends import BackendSpec
+    from attn_doctor.bisect import Config
+    from attn_doctor.render.report_data import load_results
+
+    data = load_results(path)
+    failing = [r for r in data.report.rows if r.verdict in ("FAIL", "ERROR")]
+    if not failing:
+        raise BadInput(f"{path} has no failing row to start from; every path passed there")
+    if not 0 <= index < len(failing):
+        raise BadInput(f"--row {index}: {path} has {len(failing)} failing rows (0..{len(failing) - 1})")
+    row = failing[index]
+    spec = BackendSpec(row.backend, row.family, row.options)
+    probe = row.coords.get("probe")
+    layers = row.coords.get("layers", 0) if probe == "depth" else 0
+    tp = row.coords.get("tp", 1)
+    layout = row.layout if probe != "depth" else "contiguous"
+    return spec, Config(row.case, layout, tp, layers), data.directory
+
+
+@cli.command()
 @click.argument("results", required=False, type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["markdown"]), default="markdown", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["markdown", "html", "csv", "json"]), default="markdown",
+              show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
 def report(results: Path | None, fmt: str, output: Path | None) -> int:
-    """Render a results document (default: the newest under reports/) for a bug report."""
-    from attn_doctor.render.markdown import report_markdown
-    from attn_doctor.results import read_report
+    """Render a run's results.json or a sweep directory (default: the newest under reports/) for a bug report."""
+    from attn_doctor.render.report_data import load_results
 
-    path = results or newest_results()
-    if path.is_dir():
-        path = path / "results.json"
-    text = report_markdown(read_report(path))
+    data = load_results(results if results is not None else newest_results())
+    data.known = known_defects(data.report)
+    if fmt == "markdown":
+        from attn_doctor.render.markdown import report_markdown
+
+        text = report_markdown(data)
+    elif fmt == "html":
+        from attn_doctor.render.html import report_html
+
+        text = report_html(data)
+    elif fmt == "csv":
+        from attn_doctor.render.tabular import report_csv
+
+        text = report_csv(data.report)
+    else:
+        text = dumps(data.report.to_dict())
     if output:
         write_atomic(output, text)
     else:
@@ -346,8 +461,13 @@ def report(results: Path | None, fmt: str, output: Path | None) -> int:
     return EXIT_OK
 
 
+def known_defects(report) -> list[str]:
+    """Descriptions of the known TE/cuDNN defects that match the report's environment and cases."""
+    return []
+
+
 def newest_results() -> Path:
-    candidates = sorted(REPORTS_DIR.glob("*/results.json"), key=lambda p: p.stat().st_mtime)
+    candidates = sorted({p.parent for p in REPORTS_DIR.glob("*/results.json*")}, key=lambda p: p.stat().st_mtime)
     if not candidates:
         raise BadInput("no results under reports/; run `attn-doctor run` first or pass a results file")
     return candidates[-1]

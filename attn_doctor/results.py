@@ -37,8 +37,23 @@ class Row:
     metrics: dict[str, TensorMetrics] = field(default_factory=dict)
     tensors: dict[str, TensorVerdict] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # the backend spec's options (e.g. a kernel's target)
     coords: dict[str, Any] = field(default_factory=dict)  # probe coordinates beyond the case (layers, tp)
     extra: dict[str, Any] = field(default_factory=dict)  # probe-specific facts (per-layer errors, distances)
+
+    def repro_command(self) -> str:
+        """The attn-doctor command that re-runs exactly this row."""
+        if self.family == "kernel":
+            target = f"--kernel {self.backend}={self.options.get('target')}:{self.options.get('func')}"
+        else:
+            target = f"--backend {self.backend}"
+        probe = self.coords.get("probe")
+        if probe == "depth":
+            return (f"attn-doctor sweep {target} {self.case.cli_flags()} --layers {self.coords['layers']}"
+                    f" --tp {self.coords.get('tp', 1)}")
+        if probe == "tp":
+            return f"attn-doctor sweep {target} {self.case.cli_flags()} --tp {self.coords['tp']}"
+        return f"attn-doctor run {target} --layout {self.layout} {self.case.cli_flags()}"
 
     @property
     def failing_tensors(self) -> list[str]:
@@ -54,6 +69,7 @@ class Row:
             "reason": self.reason,
             "detail": self.detail,
             "case": self.case.to_dict(),
+            "options": self.options,
             "coords": self.coords,
             "extra": self.extra,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
@@ -74,6 +90,7 @@ class Row:
             detail=d.get("detail", ""),
             tensors=tensors,
             seconds=d.get("seconds", {}),
+            options=d.get("options", {}),
             coords=d.get("coords", {}),
             extra=d.get("extra", {}),
         )

@@ -105,6 +105,7 @@ def _row(job: Job, reply: dict) -> Row:
         detail=reply.get("detail", ""),
         metrics=metrics,
         seconds=reply.get("seconds", {}),
+        options=job.spec.options,
         coords=job.coords,
         extra=reply.get("extra", {}),
     )
@@ -158,7 +159,7 @@ class Session:
             reason = _static_skip(job, self.device)
             if reason is not None:
                 results[index] = Row(job.spec.name, job.spec.family, job.layout, job.case, SKIP, reason=reason,
-                                     coords=job.coords)
+                                     options=job.spec.options, coords=job.coords)
                 if on_row:
                     on_row(results[index])
             else:

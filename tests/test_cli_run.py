@@ -291,9 +291,9 @@ def test_report_renders_markdown(passing_run, run_cli, tmp_path, monkeypatch):
     result = run_cli(["report", json_path])
     assert result.exit_code == 0, result.output
     md = result.stdout
-    assert md.startswith("# attn-doctor report")
+    assert md.startswith("## attn-doctor report")
     assert f"**Verdict:** {doc['summary']}" in md
-    assert "## Environment" in md and torch.__version__ in md
+    assert "### Environment" in md and torch.__version__ in md
     assert "| backend |" in md and "| --- |" in md
     for backend in ("sdpa.math", "sdpa.flash", "local", "te.fused"):
         assert f"| {backend} |" in md, backend
@@ -308,8 +308,8 @@ def test_report_output_file_and_newest_default(passing_run, run_cli, tmp_path, m
     (run_dir / "results.json").write_text(json_path.read_text())
     result = run_cli(["report", "--output", "r.md"])  # no argument: the newest run under reports/
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "r.md").read_text().startswith("# attn-doctor report")
-    assert run_cli(["report", run_dir]).stdout.startswith("# attn-doctor report")  # a run folder works too
+    assert (tmp_path / "r.md").read_text().startswith("## attn-doctor report")
+    assert run_cli(["report", run_dir]).stdout.startswith("## attn-doctor report")  # a run folder works too
 
 
 def test_report_lists_failing_rows(tmp_path, monkeypatch, run_cli, passing_run):
@@ -327,7 +327,7 @@ def test_report_lists_failing_rows(tmp_path, monkeypatch, run_cli, passing_run):
     first_fail = next(i for i, line in enumerate(lines) if "**FAIL**" in line)
     first_pass = next(i for i, line in enumerate(lines) if line.startswith("|") and "| PASS |" in line)
     assert first_fail < first_pass
-    assert "## Why each failing row failed" in result.stdout
+    assert "<summary>Why each failing row failed</summary>" in result.stdout
     assert "dq: error 0.02 > 3 x baseline 0.004" in result.stdout
 
 

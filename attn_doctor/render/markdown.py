@@ -1,15 +1,23 @@
-"""GitHub-flavoured markdown of a results document: verdict first, then environment, then the table."""
+"""GitHub-flavoured markdown of a results document, for pasting into a TE / cuDNN / Megatron-LM issue.
+
+A maintainer must see in ten seconds: which GPU and versions, which kernel path is wrong, on which case, how
+wrong, and how to reproduce it. So: the verdict first, the environment as a compact table, the results
+with failing rows first, the reproduce commands, and the long details folded into <details> blocks.
+"""
 
 from __future__ import annotations
 
 from attn_doctor.render.env_view import env_markdown
-from attn_doctor.render.format import TENSOR_TITLES, display_rows, sci, tensor_cell
-from attn_doctor.results import Row, RunReport
+from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
+from attn_doctor.render.report_data import ReportData, compact_env, depth_rows, sort_rows
+from attn_doctor.results import Row
 from attn_doctor.verdict import EPS, TENSORS
 
 
-def escape(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", "<br>")
+def escape(text: object) -> str:
+    """Make text safe inside a GitHub table cell or line (pipes, newlines, HTML-looking brackets)."""
+    return (str(text).replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;")
+            .replace("\n", "<br>"))
 
 
 def table(header: list[str], body: list[list[str]]) -> str:
@@ -18,44 +26,95 @@ def table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-ORDER = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
+def tensor_text(row: Row, name: str) -> str:
+    t = row.tensors.get(name)
+    if t is None:
+        return ""
+    text = f"{sci(t.rel_err)} ({ratio(t.ratio)})"
+    if t.nan or t.inf:
+        text += f" NaN {t.nan}, Inf {t.inf}"
+    return f"**{text}**" if t.verdict == "FAIL" else text
+
+
+def _verdict(row: Row) -> str:
+    return f"**{row.verdict}**" if row.verdict in ("FAIL", "ERROR") else row.verdict
 
 
 def results_markdown(rows: list[Row]) -> str:
-    header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[t]} err (×base)" for t in TENSORS] + [
+    names = [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(TENSORS)
+    header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[n]} err (×base)" for n in names] + [
         "dQ err / ε", "verdict"]
     body = []
-    shown = sorted(display_rows(rows), key=lambda pair: ORDER.get(pair[0].verdict, 9))
-    for row, layout in shown:
+    for row, layout in sort_rows(display_rows([r for r in rows if r.coords.get("probe") != "depth"])):
         dq = row.tensors.get("dq")
         in_eps = f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq is not None else ""
-        ran = row.ran if row.tensors else row.reason
-        verdict = f"**{row.verdict}**" if row.verdict in ("FAIL", "ERROR") else row.verdict
-        body.append([row.backend, ran, layout, row.case.short()] + [tensor_cell(row, t) for t in TENSORS] + [
-            in_eps, verdict])
+        ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
+        knobs = row.case.short() + "".join(f" {k}={v}" for k, v in row.coords.items() if k != "probe")
+        body.append([row.backend, ran, layout, knobs] + [tensor_text(row, n) for n in names] + [in_eps, _verdict(row)])
+    return table(header, body) if body else ""
+
+
+def depth_markdown(rows: list[Row]) -> str:
+    body = [[d.backend, str(d.tp), str(d.layers), sci(d.dq_first), sci(d.dq_last), sci(d.baseline_dq_first),
+             ratio(d.ratio), sci(d.vs_baseline), sci(d.vs_tp1) if d.vs_tp1 is not None else "", d.verdict]
+            for d in depth_rows(rows)]
+    if not body:
+        return ""
+    header = ["backend", "TP", "layers", "dQ err, layer 1", "dQ err, last layer", "local's dQ err, layer 1",
+              "×base", "‖dQ − dQ_local‖ / ‖dQ_local‖", "‖dQ − dQ_TP1‖ / ‖dQ_TP1‖", "verdict"]
     return table(header, body)
 
 
-def report_markdown(report: RunReport) -> str:
-    parts = ["# attn-doctor report", "", f"**Verdict:** {report.summary}", ""]
-    parts += ["```", report.command, "```", ""]
+def report_markdown(data: ReportData) -> str:
+    report = data.report
+    parts = ["## attn-doctor report", "", f"**Verdict:** {escape(report.summary)}", ""]
+    if data.known:
+        parts += ["**Known defects matching this machine and case:**", ""]
+        parts += [f"- {escape(text)}" for text in data.known] + [""]
     if report.env is not None:
-        parts += ["## Environment", "", env_markdown(report.env), ""]
-    parts += ["## Results", "",
-              "Relative L2 error against float64 computed from the same low-precision inputs; in parentheses the "
-              "ratio to the Megatron-local baseline's error on the same inputs. A tensor FAILs above 3× the "
-              "baseline (plus a floor of 0.1 ε in bf16/fp16, 1 ε in fp32), or on NaN/Inf. ε is the dtype's machine epsilon.", "",
-              results_markdown(report.rows), ""]
+        parts += ["### Environment", "", table(["", ""], compact_env(report.env)), ""]
+    results = results_markdown(report.rows)
+    if results:
+        parts += ["### Results", "",
+                  "Relative L2 error against float64 (computed from the same low-precision inputs), in parentheses "
+                  "its ratio to the Megatron-local baseline's error on the same inputs; ε is the dtype's machine "
+                  "epsilon. A tensor FAILs above 3× the baseline (plus a floor of 0.1 ε in bf16/fp16, 1 ε in fp32) "
+                  "or on NaN/Inf.", "", results, ""]
+    depth = depth_markdown(report.rows)
+    if depth:
+        parts += ["### dQ against depth", "",
+                  "dQ of a Megatron-style GPT stack with this backend as core attention, against the stack's "
+                  "float64 replica; the last two columns are distances between implementations, the quantity the "
+                  "bug reports measured.", "", depth, ""]
+        if data.plot_name:
+            parts += [f"![dQ error against depth]({data.plot_name})", ""]
     failing = [row for row in report.rows if row.verdict in ("FAIL", "ERROR")]
     if failing:
-        parts += ["## Why each failing row failed", ""]
-        for row in failing:
-            parts.append(f"- `{row.backend}` on `{row.layout}` ({row.case.short()}): {escape(row.reason)}")
+        parts += ["### Reproduce", ""]
+        for command in dict.fromkeys(row.repro_command() for row in failing):
+            parts += ["```bash", command, "```"]
         parts.append("")
-    if report.seconds:
-        timing = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
-        parts += [f"<sub>attn-doctor {report.tool_version}, {report.created}; {timing}</sub>", ""]
+        parts += ["<details><summary>Why each failing row failed</summary>", ""]
+        for row in failing:
+            parts.append(f"- `{row.backend}` on `{row.layout}` ({escape(row.case.short())}): {escape(row.reason)}")
+        parts += ["", "</details>", ""]
+    skipped = [(row, layout) for row, layout in display_rows(report.rows) if row.verdict == "SKIP"]
+    if skipped:
+        parts += ["<details><summary>Skipped paths and why</summary>", ""]
+        for row, layout in skipped:
+            parts.append(f"- `{row.backend}` ({'all layouts' if layout == 'all' else layout}): {escape(row.reason)}")
+        parts += ["", "</details>", ""]
+    details = [row for row in failing if row.detail]
+    if details:
+        parts += ["<details><summary>Error details</summary>", ""]
+        for row in details:
+            parts += [f"`{row.backend}` on `{row.layout}`:", "", "```", row.detail.strip(), "```", ""]
+        parts += ["</details>", ""]
+    if report.env is not None:
+        parts += ["<details><summary>Full environment</summary>", "", env_markdown(report.env), "", "</details>", ""]
+    parts += [f"<sub>{escape(report.command)} — attn-doctor {escape(report.tool_version)}, "
+              f"{escape(report.created)}</sub>", ""]
     return "\n".join(parts)
 
 
-__all__ = ["report_markdown", "results_markdown", "table", "escape", "sci"]
+__all__ = ["report_markdown", "results_markdown", "depth_markdown", "table", "escape"]

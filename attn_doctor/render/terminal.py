@@ -75,3 +75,25 @@ def depth_table(lines) -> Table:
                       sci(line.vs_tp1) if line.vs_tp1 is not None else "",
                       Text(line.verdict, style=VERDICT_STYLE.get(line.verdict, "")))
     return table
+
+
+def bisect_tables(result, backend: str, diagnosis: dict) -> list:
+    """The probes taken, the minimal failing case and the necessary conditions."""
+    steps = Table(title=f"bisect of {backend}: probes", box=box.SIMPLE_HEAD, header_style="bold")
+    for name in ("#", "knob", "tried", "configuration", "verdict", "still fails"):
+        steps.add_column(name, no_wrap=name != "configuration")
+    for number, step in enumerate(result.steps):
+        steps.add_row(str(number), step.knob, step.tried, step.config,
+                      Text(step.verdict, style=VERDICT_STYLE.get(step.verdict, "")), "yes" if step.fails else "no")
+    lines = [steps, Text.assemble(("minimal failing case: ", "bold"), result.minimal.describe(),
+                                  f"  [{result.minimal_outcome.verdict}: {result.minimal_outcome.reason[:160]}]")]
+    if result.necessary:
+        lines.append(Text("necessary conditions:", style="bold"))
+        lines += [Text(f"  {c.sentence()}") for c in result.necessary]
+    else:
+        lines.append(Text("necessary conditions: none — it fails on the plainest case tried", style="bold"))
+    lines.append(Text(f"first wrong: {diagnosis.get('first_wrong')}"))
+    if diagnosis.get("first_layer_out_of_band") is not None:
+        lines.append(Text(f"first layer (from the deepest) whose dQ leaves 3× the baseline: "
+                          f"{diagnosis['first_layer_out_of_band']}"))
+    return lines

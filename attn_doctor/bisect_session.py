@@ -1,0 +1,62 @@
+"""Drives the bisect engine with real kernels: a bisect Config becomes runner jobs on live workers."""
+
+from __future__ import annotations
+
+from attn_doctor.backends import BASELINE, BackendSpec
+from attn_doctor.bisect import BisectResult, Config, Outcome, Probe
+from attn_doctor.diagnosis import BASELINE_LAYOUT
+from attn_doctor.results import Row
+from attn_doctor.runner import DEPTH_LAYOUT, Job, Session
+from attn_doctor.verdict import MULTIPLE
+
+
+def config_jobs(config: Config, spec: BackendSpec) -> list[Job]:
+    """The baseline job the verdict needs, then the job that probes `spec` at `config` (last)."""
+    baseline = BackendSpec(BASELINE, "local")
+    case = config.case
+    if config.layers:
+        return [Job(baseline, case, DEPTH_LAYOUT, "depth", {"layers": config.layers, "tp": 1}),
+                Job(spec, case, DEPTH_LAYOUT, "depth", {"layers": config.layers, "tp": config.tp})]
+    jobs = [Job(baseline, case, BASELINE_LAYOUT)]
+    if config.tp > 1:
+        shards_as = "views" if config.layout == "head_slice" else "copies"
+        jobs.append(Job(spec, case, config.layout, "tp", {"tp": config.tp, "shards_as": shards_as}))
+    elif not (spec.name == BASELINE and config.layout == BASELINE_LAYOUT):
+        jobs.append(Job(spec, case, config.layout))
+    return jobs
+
+
+def probe_row(session: Session, spec: BackendSpec, config: Config) -> Row:
+    return session.run(config_jobs(config, spec))[-1]
+
+
+def bisect_probe(session: Session, spec: BackendSpec) -> Probe:
+    def probe(config: Config) -> Outcome:
+        row = probe_row(session, spec, config)
+        return Outcome(row.verdict, row.reason, tuple(row.failing_tensors), row.extra)
+
+    return probe
+
+
+def depth_diagnosis(session: Session, spec: BackendSpec, result: BisectResult) -> dict:
+    """Where the fault first shows: the forward or the backward, and for a depth failure the first layer
+    (in backward order, from the deepest) whose dQ leaves the baseline's band."""
+    minimal = result.minimal
+    single = probe_row(session, spec, Config(minimal.case, minimal.layout if not minimal.layers else "contiguous",
+                                             minimal.tp if not minimal.layers else 1))
+    failing = single.failing_tensors
+    if "out" in failing:
+        first_wrong = "forward (out is already wrong)"
+    elif failing:
+        first_wrong = f"backward (out is right; {', '.join(failing)} wrong)"
+    else:
+        first_wrong = "neither in one call: the fault shows only through the stack"
+    diagnosis = {"first_wrong": first_wrong, "single_call_verdict": single.verdict}
+    if minimal.layers:
+        errors = result.minimal_outcome.extra.get("dq_rel_err_by_layer", [])
+        baseline = result.minimal_outcome.extra.get("baseline_dq_rel_err_by_layer", [])
+        band = MULTIPLE["dq"]
+        out_of_band = [i + 1 for i, (e, b) in enumerate(zip(errors, baseline)) if e > band * b]
+        diagnosis["first_layer_out_of_band"] = max(out_of_band) if out_of_band else None
+        diagnosis["dq_ratio_by_layer"] = [e / b if b else None for e, b in zip(errors, baseline)]
+    return diagnosis

@@ -1,0 +1,139 @@
+"""One self-contained HTML page of a results document: no external assets, the plot inlined, sortable
+tables (a few lines of inline JavaScript), and every value taken from the results escaped."""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+
+from attn_doctor.render.env_view import env_rows
+from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
+from attn_doctor.render.report_data import ReportData, compact_env, depth_rows, sort_rows
+from attn_doctor.results import Row
+from attn_doctor.verdict import EPS, TENSORS
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:0.9em}
+th,td{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f3f3f3;cursor:pointer;user-select:none}
+td.num{text-align:right;font-family:ui-monospace,monospace}
+tr.FAIL td{background:#fde8e8} tr.ERROR td{background:#f6e6fa} tr.SKIP td{color:#888}
+.FAILcell{color:#b00;font-weight:bold} .verdict{font-weight:bold}
+pre{background:#f7f7f7;padding:8px;overflow-x:auto}
+"""
+
+SORT_SCRIPT = """
+document.querySelectorAll('table.sortable th').forEach(function(th, col){
+  th.addEventListener('click', function(){
+    var table = th.closest('table'), body = table.tBodies[0];
+    var rows = Array.prototype.slice.call(body.rows);
+    var asc = th.dataset.dir !== 'asc'; th.dataset.dir = asc ? 'asc' : 'desc';
+    rows.sort(function(a, b){
+      var x = a.cells[col].dataset.sort || a.cells[col].textContent;
+      var y = b.cells[col].dataset.sort || b.cells[col].textContent;
+      var nx = parseFloat(x), ny = parseFloat(y);
+      var c = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : x.localeCompare(y);
+      return asc ? c : -c;
+    });
+    rows.forEach(function(r){ body.appendChild(r); });
+  });
+});
+"""
+
+
+def _cell(text: object, *, sort: float | None = None, css: str = "") -> str:
+    attrs = f' class="{css}"' if css else ""
+    if sort is not None and sort == sort:
+        attrs += f' data-sort="{sort:.6g}"'
+    return f"<td{attrs}>{escape(str(text))}</td>"
+
+
+def _table(header: list[str], rows: list[str], sortable: bool = True) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    css = ' class="sortable"' if sortable else ""
+    return f"<table{css}><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _results_table(rows: list[Row]) -> str:
+    names = [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(TENSORS)
+    header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[n]} err" for n in names] + [
+        f"{TENSOR_TITLES[n]} ×base" for n in names] + ["dQ err / ε", "verdict"]
+    out = []
+    for row, layout in sort_rows(display_rows([r for r in rows if r.coords.get("probe") != "depth"])):
+        cells = [_cell(row.backend), _cell(row.ran if row.tensors else row.reason), _cell(layout),
+                 _cell(row.case.short() + "".join(f" {k}={v}" for k, v in row.coords.items() if k != "probe"))]
+        for n in names:
+            t = row.tensors.get(n)
+            cells.append(_cell(sci(t.rel_err) if t else "", sort=t.rel_err if t else None,
+                               css="num FAILcell" if t and t.verdict == "FAIL" else "num"))
+        for n in names:
+            t = row.tensors.get(n)
+            cells.append(_cell(ratio(t.ratio) if t else "", sort=t.ratio if t else None, css="num"))
+        dq = row.tensors.get("dq")
+        cells.append(_cell(f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq else "", css="num"))
+        cells.append(_cell(row.verdict, css="verdict"))
+        out.append(f'<tr class="{escape(row.verdict)}">{"".join(cells)}</tr>')
+    return _table(header, out)
+
+
+def _depth_table(rows: list[Row]) -> str:
+    body = []
+    for d in depth_rows(rows):
+        body.append(f'<tr class="{escape(d.verdict)}">' + "".join([
+            _cell(d.backend), _cell(d.tp, css="num"), _cell(d.layers, css="num"),
+            _cell(sci(d.dq_first), sort=d.dq_first, css="num"), _cell(sci(d.dq_last), sort=d.dq_last, css="num"),
+            _cell(sci(d.baseline_dq_first), sort=d.baseline_dq_first, css="num"),
+            _cell(ratio(d.ratio), sort=d.ratio, css="num"), _cell(sci(d.vs_baseline), sort=d.vs_baseline, css="num"),
+            _cell(sci(d.vs_tp1) if d.vs_tp1 is not None else "", css="num"), _cell(d.verdict, css="verdict"),
+        ]) + "</tr>")
+    if not body:
+        return ""
+    header = ["backend", "TP", "layers", "dQ err L1", "dQ err last", "local dQ err L1", "×base",
+              "‖dQ−dQ_local‖", "‖dQ−dQ_TP1‖", "verdict"]
+    return _table(header, body)
+
+
+def report_html(data: ReportData) -> str:
+    report = data.report
+    parts = [f"<h1>attn-doctor report</h1><p><strong>Verdict:</strong> {escape(report.summary)}</p>"]
+    if data.known:
+        items = "".join(f"<li>{escape(text)}</li>" for text in data.known)
+        parts.append(f"<p><strong>Known defects matching this machine and case:</strong></p><ul>{items}</ul>")
+    if report.env is not None:
+        rows = [f"<tr>{_cell(label)}{_cell(value)}</tr>" for label, value in compact_env(report.env)]
+        parts.append("<h2>Environment</h2>" + _table(["fact", "value"], rows, sortable=False))
+    if any(r.coords.get("probe") != "depth" for r in report.rows):
+        parts.append("<h2>Results</h2><p>Relative L2 error against float64; ×base is the ratio to the Megatron-local "
+                     "baseline's error on the same inputs. Click a column to sort.</p>" + _results_table(report.rows))
+    depth = _depth_table(report.rows)
+    if depth:
+        parts.append("<h2>dQ against depth</h2>" + depth)
+        if data.plot_path is not None:
+            encoded = base64.b64encode(data.plot_path.read_bytes()).decode()
+            parts.append(f'<img alt="dQ error against depth" src="data:image/png;base64,{encoded}">')
+    failing = [row for row in report.rows if row.verdict in ("FAIL", "ERROR")]
+    if failing:
+        commands = "".join(f"<pre>{escape(c)}</pre>" for c in dict.fromkeys(r.repro_command() for r in failing))
+        reasons = "".join(f"<li><code>{escape(r.backend)}</code> on <code>{escape(r.layout)}</code> "
+                          f"({escape(r.case.short())}): {escape(r.reason)}</li>" for r in failing)
+        parts.append(f"<h2>Reproduce</h2>{commands}<details><summary>Why each failing row failed</summary>"
+                     f"<ul>{reasons}</ul></details>")
+    skipped = [(r, layout) for r, layout in display_rows(report.rows) if r.verdict == "SKIP"]
+    if skipped:
+        items = "".join(f"<li><code>{escape(r.backend)}</code> ({escape('all layouts' if layout == 'all' else layout)}): "
+                        f"{escape(r.reason)}</li>" for r, layout in skipped)
+        parts.append(f"<details><summary>Skipped paths and why</summary><ul>{items}</ul></details>")
+    details = "".join(f"<p><code>{escape(r.backend)}</code> on <code>{escape(r.layout)}</code>:</p>"
+                      f"<pre>{escape(r.detail.strip())}</pre>" for r in failing if r.detail)
+    if details:
+        parts.append(f"<details><summary>Error details</summary>{details}</details>")
+    if report.env is not None:
+        rows = [f"<tr>{_cell(label)}{_cell(value)}</tr>" for label, value in env_rows(report.env)]
+        parts.append("<details><summary>Full environment</summary>" + _table(["fact", "value"], rows, False)
+                     + "</details>")
+    parts.append(f"<p><small>{escape(report.command)} — attn-doctor {escape(report.tool_version)}, "
+                 f"{escape(report.created)}</small></p>")
+    body = "\n".join(parts)
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>attn-doctor report</title>'
+            f"<style>{STYLE}</style></head>\n<body>\n{body}\n<script>{SORT_SCRIPT}</script>\n</body></html>\n")

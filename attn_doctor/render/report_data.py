@@ -1,0 +1,98 @@
+"""What every report format shows, gathered once: the document, its plot, the known defects it matches."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attn_doctor.env import EnvReport
+from attn_doctor.errors import BadInput
+from attn_doctor.results import Row, RunReport, read_report
+
+FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
+
+
+@dataclass
+class ReportData:
+    report: RunReport
+    directory: Path  # where the document lives (the plot is beside it)
+    known: list[str] = field(default_factory=list)  # descriptions of matching known defects
+
+    @property
+    def plot_name(self) -> str | None:
+        name = self.report.artifacts.get("plot")
+        return name if name and (self.directory / name).is_file() else None
+
+    @property
+    def plot_path(self) -> Path | None:
+        return self.directory / self.plot_name if self.plot_name else None
+
+
+def load_results(path: Path) -> ReportData:
+    """A run's results.json, a sweep directory (results.json, or results.jsonl of an interrupted sweep)."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "results.json").is_file():
+            path = path / "results.json"
+        elif (path / "results.jsonl").is_file():
+            return ReportData(_from_jsonl(path / "results.jsonl"), path)
+        else:
+            raise BadInput(f"{path} holds no results.json or results.jsonl; pass a results file or a sweep directory")
+    if path.suffix == ".jsonl":
+        return ReportData(_from_jsonl(path), path.parent)
+    return ReportData(read_report(path), path.parent)
+
+
+def _from_jsonl(path: Path) -> RunReport:
+    from attn_doctor.diagnosis import find_faulty, summarize
+
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(Row.from_dict(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError, BadInput) as exc:
+            raise BadInput(f"{path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); "
+                           "the file may be truncated or foreign") from None
+    if not rows:
+        raise BadInput(f"{path} holds no results yet")
+    faulty = find_faulty(rows)
+    return RunReport(command=f"(interrupted sweep, read from {path.name})", device="", env=None, rows=rows,
+                     faulty=faulty, summary=summarize(rows, faulty))
+
+
+def sort_rows(pairs):
+    return sorted(pairs, key=lambda pair: FAILING_FIRST.get(pair[0].verdict, 9))
+
+
+def depth_rows(rows: list[Row]):
+    from attn_doctor.sweep import depth_lines
+
+    return sorted(depth_lines(rows), key=lambda d: (d.backend, d.tp, d.layers))
+
+
+def compact_env(env: EnvReport) -> list[list[str]]:
+    """The few facts a maintainer asks first, as (label, value) rows."""
+
+    def fact(f) -> str:
+        if f.value is None:
+            return f"n/a ({f.note})" if f.note else "n/a"
+        return f"{f.value} ({f.note})" if f.note else f.value
+
+    gpus = "; ".join(f"{g.name} ({g.sm}, {g.memory_total_mib} MiB)" for g in env.gpus) or (env.gpus_note or "none")
+    flash = ", ".join(f"{k} {v.value}" for k, v in env.flash_attn.items() if v.value) or "not installed"
+    nvte = " ".join(f"{k}={v}" for k, v in env.env_vars.items() if k.startswith(("NVTE_", "CUDNN_"))) or "none set"
+    return [
+        ["GPU", gpus],
+        ["driver", fact(env.driver)],
+        ["torch", f"{fact(env.torch)}, CUDA {fact(env.torch_cuda)}"],
+        ["cuDNN (torch)", fact(env.torch_cudnn)],
+        ["cuDNN (TE)", fact(env.te_cudnn)],
+        ["Transformer Engine", f"{fact(env.te)}; core {fact(env.te_core)}; torch ext {fact(env.te_torch)}"],
+        ["flash-attn", flash],
+        ["NVTE_* / CUDNN_*", nvte],
+        ["Python", f"{fact(env.python)} on {fact(env.platform)}"],
+    ]
+
