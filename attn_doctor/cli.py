@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,11 @@ class DoctorGroup(click.Group):
     """A group whose every bad input ends as one line on stderr and exit code 2, never a traceback."""
 
     invoked_args: list[str] = []
+    started = 0.0
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
         DoctorGroup.invoked_args = list(sys.argv[1:] if args is None else args)
+        DoctorGroup.started = time.perf_counter()
         try:
             code = super().main(args, prog_name or "attn-doctor", complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
@@ -59,9 +62,12 @@ def _int_list(text: str | None, name: str) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise BadInput(f"--{name} takes whole numbers separated by commas, got {text!r}") from None
+    if not values:
+        raise BadInput(f"--{name} needs at least one whole number, got {text!r}")
+    return values
 
 
 def _window(text: str | None) -> tuple[int, int] | None:
@@ -180,7 +186,8 @@ def env(as_json: bool, no_te: bool) -> int:
 @backend_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the results document here (default: reports/<run-id>/results.json).")
-def run(json_path: Path | None, backends, kernels, layouts, device, timeout, **case_flags) -> int:
+@click.option("--profile", is_flag=True, help="Print where the time went (startup, reference, kernels, ...).")
+def run(json_path: Path | None, profile: bool, backends, kernels, layouts, device, timeout, **case_flags) -> int:
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.render.env_view import env_rich_table
     from attn_doctor.render.terminal import notes_lines, results_table
@@ -200,8 +207,14 @@ def run(json_path: Path | None, backends, kernels, layouts, device, timeout, **c
     for line in notes_lines(report.rows):
         console.print(line)
     console.print(report.summary, style="bold red" if report.faulty else "bold green")
+    if report.env is not None:
+        print_defects(console, case_defects(report.env, [case]), "Known TE/cuDNN defects that match this machine and case:")
     write_atomic(out_path, dumps(report.to_dict()))
     console.print(f"results: {out_path}\nreport:  attn-doctor report {out_path} --format markdown")
+    if profile:
+        report.seconds["command (wall, since start of the CLI)"] = time.perf_counter() - DoctorGroup.started
+        for name, seconds in report.seconds.items():
+            console.print(f"  {name:<42} {seconds:8.2f} s")
     return report.exit_code
 
 
@@ -227,6 +240,14 @@ def grid_options(fn):
     return fn
 
 
+def _recipe_window(value, path) -> tuple[int, int] | None:
+    if value is None or value == "none":
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not all(isinstance(v, int) for v in value):
+        raise BadInput(f"recipe {path}: each grid.window entry must be [LEFT, RIGHT] (whole numbers), got {value!r}")
+    return value[0], value[1]
+
+
 def _choices(text: str, allowed: tuple[str, ...], name: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in values if v not in allowed]
@@ -246,6 +267,8 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
         recipe_grid = dict(recipe.grid)
         depths = recipe_grid.pop("layers", None)
         degrees = recipe_grid.pop("tp", None)
+        if "window" in recipe_grid:
+            recipe_grid["window"] = [_recipe_window(w, recipe.path) for w in recipe_grid["window"]]
         grid.update(recipe_grid)
     for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "seed"):
         if options.get(name) is not None:
@@ -260,8 +283,9 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
     if options.get("tp") is not None:
         degrees = _int_list(options["tp"], "tp")
     for name, values in (("layers", depths), ("tp", degrees)):
-        if values is not None and (not values or any(v < 1 for v in values)):
-            raise BadInput(f"--{name} takes whole numbers >= 1, got {values}")
+        if values is not None and (not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                                     for v in values)):
+            raise BadInput(f"--{name} (or the recipe's grid.{name}) takes whole numbers >= 1, got {values}")
     return base, grid, depths, degrees
 
 
@@ -463,7 +487,28 @@ def report(results: Path | None, fmt: str, output: Path | None) -> int:
 
 def known_defects(report) -> list[str]:
     """Descriptions of the known TE/cuDNN defects that match the report's environment and cases."""
-    return []
+    if report.env is None:
+        return []
+    return case_defects(report.env, list({row.case.key(): row.case for row in report.rows}.values()))
+
+
+def case_defects(env, cases: list[Case]) -> list[str]:
+    from attn_doctor.known_bugs import MatchContext, describe, load_known_bugs, match_case
+
+    bugs = load_known_bugs()
+    context = MatchContext.from_env(env, qkv_format="sbhd")  # the format attn-doctor's TE paths use
+    found: dict[str, str] = {}
+    for case in cases:
+        for match in match_case(bugs, env, case, context):
+            found.setdefault(match.bug.id, describe(match))
+    return list(found.values())
+
+
+def print_defects(console: Console, lines: list[str], heading: str) -> None:
+    if lines:
+        console.print(heading, style="bold yellow")
+        for line in lines:
+            console.print(f"  - {line}")
 
 
 def newest_results() -> Path:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class Worker:
         self.timeout_s = timeout_s
         self.hello: dict[str, Any] | None = None
         self.starts = 0
+        self.startup_seconds = 0.0  # process start to hello (interpreter, torch, TE import), all starts
         self._proc: subprocess.Popen | None = None
         self._replies: queue.Queue = queue.Queue()
         self._stderr = tempfile.TemporaryFile(mode="w+b")
@@ -63,7 +65,9 @@ class Worker:
         self.starts += 1
         self._replies = queue.Queue()
         threading.Thread(target=self._read, args=(self._proc, self._replies), daemon=True).start()
+        started = time.perf_counter()
         message = self._wait(max(STARTUP_TIMEOUT_S, self.timeout_s))
+        self.startup_seconds += time.perf_counter() - started
         if message is None or "hello" not in message:
             reason = self._death_reason("while starting")
             self.close()

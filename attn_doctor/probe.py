@@ -235,6 +235,8 @@ def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: D
     if case.heads % tp or case.num_kv_heads % tp:
         return ProbeOutcome("skip", reason=f"TP={tp} needs heads ({case.heads}) and kv heads "
                                            f"({case.num_kv_heads}) divisible by {tp}")
+    if case.seq_k != case.seq:
+        return ProbeOutcome("skip", reason="the depth stack is self-attention: it needs seq_kv == seq")
     why_not = backend.unsupported(case, device)
     if why_not:
         return ProbeOutcome("skip", reason=why_not)

@@ -57,6 +57,26 @@ def allowed_mask(
     return mask
 
 
+def _mask_edges(scores: torch.Tensor, q0: int, q1: int, k0: int, k1: int, group: int, causal: bool,
+                window: tuple[int, int] | None) -> None:
+    """Fill -inf where the mask hides keys, touching only the column ranges the mask can reach in this
+    block (for causal, the diagonal strip), not the whole block."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    ranges = []
+    if right >= 0 and k1 > q0 + right + 1:
+        ranges.append((max(k0, q0 + right + 1), k1))  # keys past the first row's right edge
+    if left >= 0 and k0 < q1 - 1 - left:
+        ranges.append((k0, min(k1, q1 - 1 - left)))  # keys before the last row's left edge
+    if not ranges:
+        return
+    rows = torch.arange(q0, q1, device=scores.device).repeat(group)
+    for c0, c1 in ranges:
+        visible = allowed_mask(rows, torch.arange(c0, c1, device=scores.device), causal, window)
+        scores[..., c0 - k0:c1 - k0].masked_fill_(~visible, float("-inf"))
+
+
 def _block_rows(batch: int, heads: int, seq_kv: int, seq_q: int, device: torch.device, block_bytes: int | None) -> int:
     budget = block_bytes if block_bytes is not None else DEFAULT_BLOCK_BYTES.get(device.type, 1 << 27)
     per_query_row = batch * heads * max(seq_kv, 1) * 8 * 2  # two float64 [rows, seq_kv] buffers live at once
@@ -107,14 +127,12 @@ def attention_reference(
         if k1 <= k0:
             continue  # every row of this block sees no key: out, dq stay 0, lse stays -inf
         n = q1 - q0
-        qb = q64[:, :, :, q0:q1].reshape(batch, kv_heads, group * n, head_dim)
+        # Scaling q (a block of rows) instead of the scores saves a full pass over the score block.
+        qb = q64[:, :, :, q0:q1].reshape(batch, kv_heads, group * n, head_dim) * softmax_scale
         kb, vb = k64[:, :, k0:k1], v64[:, :, k0:k1]
 
-        scores = torch.matmul(qb, kb.transpose(-1, -2)).mul_(softmax_scale)
-        rows = torch.arange(q0, q1, device=device).repeat(group)
-        mask = allowed_mask(rows, torch.arange(k0, k1, device=device), causal, window)
-        if mask is not None:
-            scores.masked_fill_(~mask, float("-inf"))
+        scores = torch.matmul(qb, kb.transpose(-1, -2))
+        _mask_edges(scores, q0, q1, k0, k1, group, causal, window)
         row_max = scores.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         probs = scores.sub_(row_max).exp_()  # in place: the scores buffer becomes the probabilities
@@ -132,7 +150,7 @@ def attention_reference(
             delta = (dob * ob).sum(dim=-1, keepdim=True)
             dscores = torch.matmul(dob, vb.transpose(-1, -2)).sub_(delta).mul_(probs)
             dqb = torch.matmul(dscores, kb).mul_(softmax_scale)
-            dk[:, :, k0:k1] += torch.matmul(dscores.transpose(-1, -2), qb).mul_(softmax_scale)
+            dk[:, :, k0:k1] += torch.matmul(dscores.transpose(-1, -2), qb)  # qb is already scaled
             dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), dob)
             dq[:, :, :, q0:q1] = dqb.view(batch, kv_heads, group, n, head_dim)
             del dscores

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
+import shlex
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +46,10 @@ class Row:
     def repro_command(self) -> str:
         """The attn-doctor command that re-runs exactly this row."""
         if self.family == "kernel":
-            target = f"--kernel {self.backend}={self.options.get('target')}:{self.options.get('func')}"
+            spec = f"{self.backend}={self.options.get('target')}:{self.options.get('func')}"
+            target = f"--kernel {shlex.quote(spec)}"
         else:
-            target = f"--backend {self.backend}"
+            target = f"--backend {shlex.quote(self.backend)}"
         probe = self.coords.get("probe")
         if probe == "depth":
             return (f"attn-doctor sweep {target} {self.case.cli_flags()} --layers {self.coords['layers']}"
@@ -78,7 +81,10 @@ class Row:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Row":
-        tensors = {name: TensorVerdict(**t) for name, t in d.get("tensors", {}).items()}
+        tensors = {name: _tensor_verdict(name, t) for name, t in d.get("tensors", {}).items()}
+        coords = d.get("coords", {})
+        if coords.get("probe") == "depth" and not isinstance(coords.get("layers"), int):
+            raise ValueError("a depth row has no whole-number coords.layers")
         return cls(
             backend=d["backend"],
             family=d.get("family", ""),
@@ -94,6 +100,14 @@ class Row:
             coords=d.get("coords", {}),
             extra=d.get("extra", {}),
         )
+
+
+def _tensor_verdict(name: str, d: dict[str, Any]) -> TensorVerdict:
+    verdict = TensorVerdict(**d)
+    for key, value in vars(verdict).items():
+        if key not in ("verdict", "why") and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
+            raise ValueError(f"tensor {name}: {key} is {value!r}, not a number")
+    return verdict
 
 
 @dataclass(frozen=True)
@@ -194,12 +208,16 @@ def dumps(document: dict[str, Any]) -> str:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same folder and a rename."""
+    write_atomic_bytes(path, text.encode())
+
+
+def write_atomic_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -40,6 +40,7 @@ class RunOutcome:
     rows: list[Row]
     te_facts: dict | None = None  # what the TE worker saw of TE in its own process
     worker_starts: dict[str, int] = field(default_factory=dict)
+    startup_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def plan_jobs(cases: list[Case], specs: list[BackendSpec], layouts: list[str]) -> list[Job]:
@@ -121,7 +122,8 @@ def run_jobs(
     """Execute every job and return judged rows in the order of `jobs`."""
     with Session(device, timeout_s) as session:
         rows = session.run(jobs, on_row=on_row)
-        return RunOutcome(rows=rows, te_facts=session.te_facts, worker_starts=session.worker_starts)
+        return RunOutcome(rows=rows, te_facts=session.te_facts, worker_starts=session.worker_starts,
+                          startup_seconds={f: w.startup_seconds for f, w in session.workers.items()})
 
 
 class Session:
@@ -214,8 +216,22 @@ def diagnose(
     outcome = run_jobs(plan_jobs(cases, specs, layouts), device, timeout_s=timeout_s, on_row=on_row)
     probes_s = time.perf_counter() - start
     report = finish_report(outcome.rows, device, command, te_facts=outcome.te_facts)
-    report.seconds = {"probes": probes_s, "total": time.perf_counter() - start}
+    report.seconds = profile(outcome, probes_s, time.perf_counter() - start)
     return report
+
+
+def profile(outcome: RunOutcome, probes_s: float, total_s: float) -> dict[str, float]:
+    """Where the time went. Families run concurrently, so per-family sums can exceed the wall time."""
+    reference: dict[tuple, float] = {}
+    kernels = compare = 0.0
+    for row in outcome.rows:
+        reference[(row.family, row.case.key(), tuple(sorted(row.coords.items())))] = row.seconds.get("reference", 0.0)
+        kernels += row.seconds.get("kernel", 0.0)
+        compare += row.seconds.get("compare", 0.0)
+    seconds = {f"worker start ({family})": s for family, s in outcome.startup_seconds.items()}
+    seconds.update({"reference": sum(reference.values()), "kernels": kernels, "comparison": compare,
+                    "probes (wall)": probes_s, "env + verdicts": total_s - probes_s, "diagnose (wall)": total_s})
+    return seconds
 
 
 def finish_report(rows: list[Row], device: str, command: str, te_facts: dict | None) -> RunReport:

@@ -19,7 +19,7 @@ from typing import Any
 from attn_doctor.backends import BASELINE, BackendSpec
 from attn_doctor.case import Case, make_case
 from attn_doctor.errors import BadInput
-from attn_doctor.results import Row
+from attn_doctor.results import Row, write_atomic_bytes
 from attn_doctor.runner import Job, plan_depth_jobs, plan_jobs, plan_tp_jobs
 
 RESULTS_FILE = "results.jsonl"
@@ -81,28 +81,31 @@ class ResultsLog:
         self.path = self.directory / RESULTS_FILE
 
     def load(self) -> tuple[list[Row], set[str]]:
-        """Rows and finished point ids already there; a torn last line (killed mid-write) is cut off."""
+        """Rows and finished point ids already there. Lines of a point that never finished (the sweep was
+        killed while writing it, possibly mid-line) are dropped from the file, so its rerun is the only copy."""
         if not self.path.exists():
             return [], set()
         data = self.path.read_bytes()
-        keep = data[: data.rfind(b"\n") + 1]
-        if len(keep) != len(data):
-            with open(self.path, "r+b") as handle:
-                handle.truncate(len(keep))
-        rows, points = [], set()
-        by_point: dict[str, list[Row]] = {}
-        for number, line in enumerate(keep.decode().splitlines(), start=1):
+        by_point: dict[str, list[tuple[bytes, Row]]] = {}
+        complete: list[str] = []
+        lines = data.split(b"\n")
+        torn = lines.pop()  # b"" when the file ends with a newline, else a line cut off mid-write
+        for number, line in enumerate(lines, start=1):
             try:
-                record = json.loads(line)
-                by_point.setdefault(record["point"], []).append(Row.from_dict(record))
+                record = json.loads(line.decode("utf-8"))
+                by_point.setdefault(record["point"], []).append((line, Row.from_dict(record)))
                 if record.get("point_complete"):
-                    points.add(record["point"])
-            except (json.JSONDecodeError, KeyError, TypeError, BadInput) as exc:
-                raise BadInput(f"{self.path}:{number} is not an attn-doctor sweep record ({exc}); "
+                    complete.append(record["point"])
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+                    BadInput) as exc:
+                raise BadInput(f"{self.path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); "
                                "move the file away to start over") from None
-        for point in points:  # rows of a point whose last line never made it are run again
-            rows.extend(by_point[point])
-        return rows, points
+        unfinished = set(by_point) - set(complete)
+        if unfinished or torn:
+            kept = b"".join(line + b"\n" for point in complete for line, _ in by_point[point])
+            write_atomic_bytes(self.path, kept)
+        rows = [row for point in complete for _, row in by_point[point]]
+        return rows, set(complete)
 
     def append(self, point: Point, rows: list[Row]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,11 @@ class UserKernel(Backend):
         super().__init__(spec)
         self.fn = load_function(spec.options["target"], spec.options["func"])
 
+    def unsupported(self, case: Case, device: torch.device) -> str | None:
+        if case.window is not None:
+            return "the --kernel signature fn(q, k, v, *, causal, softmax_scale) has no sliding-window argument"
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
         return self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)
 

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attn_doctor.env import EnvReport, Fact
+from attn_doctor.render.format import md_escape
 
 Kind = Literal["ok", "warn", "missing"]
 
@@ -81,7 +82,7 @@ def env_rich_table(env: EnvReport) -> Table:
 
 
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+    return md_escape(text)
 
 
 def env_markdown(env: EnvReport) -> str:

@@ -50,3 +50,14 @@ def display_rows(rows: list[Row]) -> list[tuple[Row, str]]:
         else:
             shown.extend((r, r.layout) for r in group)
     return shown
+
+
+def md_escape(text: object) -> str:
+    """Text made inert inside a GitHub markdown table cell or list item: HTML entities and tags, emphasis,
+    code spans, pipes and line breaks."""
+    text = str(text).replace("\r\n", "\n").replace("\r", "\n")
+    text = text.replace("&", "&amp;").replace("<", "&lt;")
+    for char in ("\\", "|", "*", "`"):
+        text = text.replace(char, "\\" + char)
+    return text.replace("\n", "<br>")
+

@@ -8,22 +8,23 @@ with failing rows first, the reproduce commands, and the long details folded int
 from __future__ import annotations
 
 from attn_doctor.render.env_view import env_markdown
-from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
+from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci
 from attn_doctor.render.report_data import ReportData, compact_env, depth_rows, sort_rows
 from attn_doctor.results import Row
 from attn_doctor.verdict import EPS, TENSORS
 
 
-def escape(text: object) -> str:
-    """Make text safe inside a GitHub table cell or line (pipes, newlines, HTML-looking brackets)."""
-    return (str(text).replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;")
-            .replace("\n", "<br>"))
+escape = md_escape
 
 
 def table(header: list[str], body: list[list[str]]) -> str:
+    """A GitHub table; the cells must already be escaped (callers escape data, not their own markup)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    lines += ["| " + " | ".join(escape(cell) for cell in row) + " |" for row in body]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
     return "\n".join(lines)
+
+
+FENCE = "`" * 3  # a traceback could hold a fence of its own; it is broken up before being fenced
 
 
 def tensor_text(row: Row, name: str) -> str:
@@ -50,12 +51,13 @@ def results_markdown(rows: list[Row]) -> str:
         in_eps = f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq is not None else ""
         ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
         knobs = row.case.short() + "".join(f" {k}={v}" for k, v in row.coords.items() if k != "probe")
-        body.append([row.backend, ran, layout, knobs] + [tensor_text(row, n) for n in names] + [in_eps, _verdict(row)])
+        body.append([escape(row.backend), escape(ran), escape(layout), escape(knobs)]
+                    + [tensor_text(row, n) for n in names] + [in_eps, _verdict(row)])
     return table(header, body) if body else ""
 
 
 def depth_markdown(rows: list[Row]) -> str:
-    body = [[d.backend, str(d.tp), str(d.layers), sci(d.dq_first), sci(d.dq_last), sci(d.baseline_dq_first),
+    body = [[escape(d.backend), str(d.tp), str(d.layers), sci(d.dq_first), sci(d.dq_last), sci(d.baseline_dq_first),
              ratio(d.ratio), sci(d.vs_baseline), sci(d.vs_tp1) if d.vs_tp1 is not None else "", d.verdict]
             for d in depth_rows(rows)]
     if not body:
@@ -72,7 +74,8 @@ def report_markdown(data: ReportData) -> str:
         parts += ["**Known defects matching this machine and case:**", ""]
         parts += [f"- {escape(text)}" for text in data.known] + [""]
     if report.env is not None:
-        parts += ["### Environment", "", table(["", ""], compact_env(report.env)), ""]
+        rows = [[escape(label), escape(value)] for label, value in compact_env(report.env)]
+        parts += ["### Environment", "", table(["", ""], rows), ""]
     results = results_markdown(report.rows)
     if results:
         parts += ["### Results", "",
@@ -96,24 +99,28 @@ def report_markdown(data: ReportData) -> str:
         parts.append("")
         parts += ["<details><summary>Why each failing row failed</summary>", ""]
         for row in failing:
-            parts.append(f"- `{row.backend}` on `{row.layout}` ({escape(row.case.short())}): {escape(row.reason)}")
+            parts.append(f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())}): "
+                         f"{escape(row.reason)}")
         parts += ["", "</details>", ""]
     skipped = [(row, layout) for row, layout in display_rows(report.rows) if row.verdict == "SKIP"]
     if skipped:
         parts += ["<details><summary>Skipped paths and why</summary>", ""]
         for row, layout in skipped:
-            parts.append(f"- `{row.backend}` ({'all layouts' if layout == 'all' else layout}): {escape(row.reason)}")
+            parts.append(f"- {escape(row.backend)} ({'all layouts' if layout == 'all' else escape(layout)}): "
+                         f"{escape(row.reason)}")
         parts += ["", "</details>", ""]
     details = [row for row in failing if row.detail]
     if details:
         parts += ["<details><summary>Error details</summary>", ""]
         for row in details:
-            parts += [f"`{row.backend}` on `{row.layout}`:", "", "```", row.detail.strip(), "```", ""]
+            parts += [f"{escape(row.backend)} on {escape(row.layout)}:", "", FENCE,
+                      row.detail.strip().replace(FENCE, "` ` `"), FENCE, ""]
         parts += ["</details>", ""]
     if report.env is not None:
         parts += ["<details><summary>Full environment</summary>", "", env_markdown(report.env), "", "</details>", ""]
-    parts += [f"<sub>{escape(report.command)} — attn-doctor {escape(report.tool_version)}, "
-              f"{escape(report.created)}</sub>", ""]
+    made = ", ".join(escape(x) for x in (f"attn-doctor {report.tool_version}" if report.tool_version else "",
+                                         report.created) if x)
+    parts += [f"<sub>{escape(report.command)}{' — ' + made if made else ''}</sub>", ""]
     return "\n".join(parts)
 
 

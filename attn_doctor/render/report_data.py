@@ -48,12 +48,16 @@ def _from_jsonl(path: Path) -> RunReport:
     from attn_doctor.diagnosis import find_faulty, summarize
 
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines = lines[:-1]  # a torn last line: the sweep was killed while writing it
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             rows.append(Row.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, BadInput) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, BadInput) as exc:
             raise BadInput(f"{path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); "
                            "the file may be truncated or foreign") from None
     if not rows:

@@ -1,0 +1,111 @@
+"""Benchmark the float64 attention reference: blockwise (attn_doctor.reference) against the naive formula.
+
+Prints one JSON line per measurement and a markdown table at the end. Ceilings (float64 and bf16 matmul
+rates) are measured in the same run. FLOPs count only what the mask leaves: 6 matmuls of 2*b*h*d per
+visible (query, key) pair (QK^T, PV forward; dP, dV, dQ, dK backward).
+
+    python benchmarks/bench_reference.py --device cuda --seqs 1024,4096,8192,16384,32768,65536,131072
+    python benchmarks/bench_reference.py --device cpu --seqs 256,1024,2048 --heads 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from attn_doctor.reference import attention_reference, naive_reference
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def matmul_rate(device: str, dtype: torch.dtype, n: int, repeats: int = 5) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
+    b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
+    torch.matmul(a, b)  # warm-up
+    best = statistics.median(timed(lambda: torch.matmul(a, b), device, repeats))
+    return 2 * n**3 / best
+
+
+def visible_pairs(seq: int, causal: bool) -> int:
+    return seq * (seq + 1) // 2 if causal else seq * seq
+
+
+def peak_gib(device: str) -> float | None:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seqs", default="1024,4096,8192")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--naive-max", type=int, default=16384, help="largest seq to try the naive formula at")
+    parser.add_argument("--matmul-n", type=int, default=8192)
+    args = parser.parse_args()
+    device = args.device
+    fp64 = matmul_rate(device, torch.float64, args.matmul_n)
+    bf16 = matmul_rate(device, torch.bfloat16, args.matmul_n)
+    print(json.dumps({"ceiling": "matmul", "n": args.matmul_n, "fp64_tflops": fp64 / 1e12, "bf16_tflops": bf16 / 1e12}))
+    rows = []
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        g = torch.Generator(device=device).manual_seed(0)
+        shape = (args.batch, seq, args.heads, args.head_dim)
+        q, k, v, dout = (torch.randn(shape, generator=g, device=device).to(torch.bfloat16) for _ in range(4))
+        flops = 6 * 2 * args.batch * args.heads * args.head_dim * visible_pairs(seq, True)
+        for name, fn in (("blockwise", attention_reference), ("naive", naive_reference)):
+            if name == "naive" and seq > args.naive_max:
+                continue
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            call = lambda: fn(q, k, v, dout, causal=True, softmax_scale=args.head_dim**-0.5)  # noqa: E731
+            try:
+                call()  # warm-up (and the first memory peak)
+                times = timed(call, device, args.repeats)
+            except torch.OutOfMemoryError:
+                record = {"impl": name, "seq": seq, "result": "out of memory"}
+            else:
+                median = statistics.median(times)
+                record = {"impl": name, "seq": seq, "median_s": median, "runs": len(times),
+                          "peak_gib": peak_gib(device), "tflops": flops / median / 1e12,
+                          "fraction_of_fp64_matmul": flops / median / fp64}
+            print(json.dumps(record), flush=True)
+            rows.append(record)
+    print(f"\n{device}: float64 matmul {fp64 / 1e12:.1f} TFLOP/s, bf16 {bf16 / 1e12:.0f} TFLOP/s "
+          f"(n={args.matmul_n}); b={args.batch} h={args.heads} d={args.head_dim} causal, fwd+bwd\n")
+    print("| impl | seq | median s | peak GiB | TFLOP/s | of fp64 matmul |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "median_s" in r:
+            peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
+            print(f"| {r['impl']} | {r['seq']} | {r['median_s']:.4f} | {peak} | {r['tflops']:.2f} | "
+                  f"{r['fraction_of_fp64_matmul']:.0%} |")
+        else:
+            print(f"| {r['impl']} | {r['seq']} | {r['result']} | | | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The commands that produced the H200 evidence in this folder, run on the lent H200 from the project root
+# after ../shared/device/stage-te.sh installed TE 2.20.2 (PYTHONPATH=$PWD, python3 = the machine's 3.12).
+# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep)
+set -uo pipefail
+part=$1; out=$2; mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COLUMNS=170
+A="python3 -m attn_doctor"
+step() { local name=$1; shift; local s=$SECONDS; "$@" > "$out/$name.txt" 2>&1; echo "$name: exit $? in $((SECONDS - s)) s"; }
+case $part in
+runs)
+  step env $A env
+  $A env --json > "$out/env.json" 2>/dev/null
+  step run-default $A run --profile --json "$out/run-default/results.json"
+  step run-gqa $A run --recipe gqa-llama --json "$out/run-gqa/results.json"
+  step run-swa $A run --seq 2048 --mask none --window 128,128 --backend te --backend sdpa.cudnn --backend sdpa.flash \
+       --layout contiguous --json "$out/run-swa/results.json"
+  step sweep-depth $A sweep --layers 24,128 --out "$out/sweep-depth"
+  step sweep-tp $A sweep --tp 1,2 --out "$out/sweep-tp"
+  ;;
+bisect)
+  step bisect $A bisect --from "$out/run-default/results.json" --json "$out/bisect/bisect.json" --out "$out/bisect"
+  for script in "$out"/bisect/repro_*.py; do
+    (cd /tmp && env -u PYTHONPATH python3 "$script") > "$out/bisect/repro-output.txt" 2>&1
+    echo "repro $(basename "$script"): exit $?" | tee -a "$out/bisect/repro-output.txt"
+  done
+  ;;
+bench)
+  step bench-reference python3 benchmarks/bench_reference.py --device cuda \
+       --seqs 1024,4096,8192,16384,32768,65536,131072 --repeats 3
+  step bench-run python3 benchmarks/bench_run.py --repeats 2
+  ;;
+bench-sweep)
+  step bench-sweep python3 benchmarks/bench_run.py --repeats 1 --sweep-only
+  ;;
+esac

@@ -1,0 +1,92 @@
+"""Kernels that are wrong only under one known condition: what `attn-doctor bisect` must find exactly.
+
+Same signature as faulty.py: fn(q, k, v, *, causal, softmax_scale) -> out on bshd tensors (q
+[batch, seq, heads, dim], k and v [batch, seq_kv, kv_heads, dim], GQA by repeat_interleave), fp32 math,
+the input dtype out. Each kernel is correct except when its trigger holds; the trigger is decided from
+the tensors the kernel receives (as a real kernel's dispatch would), and the fault is one line of
+`_Attention`. This file imports only torch: the standalone repro scripts load it by path.
+
+Faults in dq cannot show at seq 1 (one key: softmax is constant, dq is exactly 0), so a dq fault's
+minimal case keeps seq >= 2; the kernels whose condition is not about seq perturb out instead, so that
+their bisect finds exactly their one condition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DQ_SCALE = 1.05  # dq 5% too large: far beyond 3x the baseline's error in every dtype
+OUT_SCALE = 1.05  # out 5% too large
+
+
+def attention_fp32(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v in fp32 (bshd in and out)."""
+    q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(scores.shape[-2], device=q.device)[:, None]
+        cols = torch.arange(scores.shape[-1], device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2)
+
+
+class _Attention(torch.autograd.Function):
+    """fp32 forward and backward (autograd on a recompute); `fault` is "dq" (dq scaled), "out" (out
+    scaled in the forward, gradients of the correct attention) or None (correct)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, fault):
+        ctx.save_for_backward(q, k, v)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.fault = fault
+        out = attention_fp32(q, k, v, causal, scale)
+        if fault == "out":
+            out = out * OUT_SCALE
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+            out = attention_fp32(*leaves, ctx.causal, ctx.scale)
+            dq, dk, dv = torch.autograd.grad(out, leaves, dout.float())
+        if ctx.fault == "dq":
+            dq = dq * DQ_SCALE
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _attend(q, k, v, causal, softmax_scale, fault):
+    return _Attention.apply(q, k, v, causal, softmax_scale, fault)
+
+
+def correct(q, k, v, *, causal: bool, softmax_scale: float):
+    """Correct everywhere (the same autograd.Function with no fault)."""
+    return _attend(q, k, v, causal, softmax_scale, None)
+
+
+def seq_ge_300_noncontig(q, k, v, *, causal: bool, softmax_scale: float):
+    """dq wrong only when seq >= 300 and q is not contiguous (e.g. a head-sliced view)."""
+    trigger = q.shape[1] >= 300 and not q.is_contiguous()
+    return _attend(q, k, v, causal, softmax_scale, "dq" if trigger else None)
+
+
+def gqa_only(q, k, v, *, causal: bool, softmax_scale: float):
+    """out wrong only with GQA (fewer key/value heads than query heads)."""
+    trigger = k.shape[2] < q.shape[2]
+    return _attend(q, k, v, causal, softmax_scale, "out" if trigger else None)
+
+
+def fp16_only(q, k, v, *, causal: bool, softmax_scale: float):
+    """out wrong only in fp16."""
+    trigger = q.dtype == torch.float16
+    return _attend(q, k, v, causal, softmax_scale, "out" if trigger else None)
+
+
+def head_dim_gt_40(q, k, v, *, causal: bool, softmax_scale: float):
+    """out wrong only when head_dim > 40 (bisected in steps of 8: fails at 48, passes at 40)."""
+    trigger = q.shape[-1] > 40
+    return _attend(q, k, v, causal, softmax_scale, "out" if trigger else None)
