@@ -116,19 +116,18 @@ class Bisector:
         """The same verdict `run` gives; any of --repeats runs failing counts (a nondeterministic fault
         must not look fixed by luck); a crash counts only if the start crashed the same way."""
         if config in self._cache:
-            failing, outcome = self._cache[config]
-        else:
-            outcome = Outcome("PASS")
-            failing = False
-            for _ in range(self.repeats):
-                outcome = self.probe(config)
-                if outcome.verdict == "FAIL" and self._start_error is None:
-                    failing = True
-                elif outcome.verdict == "ERROR":
-                    failing = self._start_error is not None and _error_class(outcome.reason) == self._start_error
-                if failing:
-                    break
-            self._cache[config] = (failing, outcome)
+            return self._cache[config][0]  # already probed (and listed among the steps)
+        outcome = Outcome("PASS")
+        failing = False
+        for _ in range(self.repeats):
+            outcome = self.probe(config)
+            if outcome.verdict == "FAIL" and self._start_error is None:
+                failing = True
+            elif outcome.verdict == "ERROR":
+                failing = self._start_error is not None and _error_class(outcome.reason) == self._start_error
+            if failing:
+                break
+        self._cache[config] = (failing, outcome)
         self.steps.append(Step(knob, tried, config.describe(), outcome.verdict, failing, outcome.reason[:200]))
         return failing
 
@@ -136,7 +135,10 @@ class Bisector:
         return self._cache[config][1]
 
     def run(self, start: Config) -> BisectResult:
-        first = self.probe(start)
+        for _ in range(self.repeats):  # the start gets --repeats too: a flaky fault must not look absent
+            first = self.probe(start)
+            if first.verdict in ("FAIL", "ERROR"):
+                break
         if first.verdict == "ERROR":
             self._start_error = _error_class(first.reason)
         if first.verdict not in ("FAIL", "ERROR"):
@@ -172,12 +174,24 @@ class Bisector:
                 if step is not None and self.valid(step) and (len(kept) == 1 or self.fails(step, knob, "+ earlier")):
                     config = step
                     adopted.add(knob)
+        # What is left unsimplified is necessary only if simplifying it on top of the adopted changes
+        # passes; a move that still fails there is adopted after all.
         passing: dict[str, list] = {}
-        for knob, _tried, candidate in moves:
-            if knob not in adopted and not self._cache[candidate][0]:
+        for knob, tried, original in moves:
+            if knob in adopted:
+                continue
+            candidate = _apply(config, knob, original)
+            if candidate is None or not self.valid(candidate) or candidate == config:
+                continue
+            if self.fails(candidate, knob, f"{tried} on the minimal case"):
+                config = candidate
+                adopted.add(knob)
+                passing.pop(knob, None)
+            else:
                 passing.setdefault(knob, []).append(self._passing_value(candidate, knob))
         for knob, values in passing.items():
-            necessary.append(Condition(knob, _value(config, knob), ", ".join(map(str, values))))
+            if knob not in adopted:
+                necessary.append(Condition(knob, _value(config, knob), ", ".join(map(str, values))))
         return config
 
     def _passing_value(self, candidate: Config, knob: str) -> str:
@@ -209,6 +223,8 @@ class Bisector:
                     else:
                         lo = mid
             if lo >= 0:
+                # The exact boundary replaces a categorical condition on the same knob (layers, seq_kv).
+                necessary[:] = [c for c in necessary if c.knob != knob]
                 necessary.append(Condition(knob, candidates[hi], self._passing_value(
                     _with_int(config, knob, candidates[lo]), knob)))
             config = _with_int(config, knob, candidates[hi])

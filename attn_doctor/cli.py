@@ -314,6 +314,9 @@ def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, **grid_f
     if resume is not None and not (resume / sweeping.RESULTS_FILE).exists():
         raise BadInput(f"--resume {resume}: no {sweeping.RESULTS_FILE} there; start the sweep with --out instead")
     log = sweeping.ResultsLog(directory)
+    if resume is None and log.path.exists():
+        raise BadInput(f"{directory} already holds a sweep ({log.path.name}); continue it with --resume {directory} "
+                       "or choose another --out")
     done_rows, done_points = log.load()
     points = sweeping.plan_points(cases, list(layouts or LAYOUTS), depths, degrees)
     todo = [p for p in points if p.id not in done_points]

@@ -49,6 +49,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back to the GPU, for the other worker processes."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class ProbeOutcome:
     status: str  # "ok", "skip" or "error"
@@ -223,6 +229,7 @@ class DepthCache:
             local = build(BackendSpec(BASELINE, "local"))
             self.baseline = run_stack(stack, case, BackendAttention(local, case))
             self._key = key
+            release_cached_memory(self.device)
         return self.reference, self.baseline
 
 
@@ -252,6 +259,7 @@ def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: D
         return ProbeOutcome("skip", reason=str(exc))
     synchronize(device)
     seconds = {"reference": cache.reference_seconds, "kernel": time.perf_counter() - start}
+    release_cached_memory(device)
 
     def bshd(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(0, 1)

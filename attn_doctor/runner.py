@@ -181,7 +181,9 @@ class Session:
                 if on_row:
                     on_row(results[index])
 
-        with ThreadPoolExecutor(max_workers=max(1, len(by_family))) as pool:
+        # Depth stacks hold tens of GiB each on the GPU: run those one family at a time.
+        parallel = not any(job.kind == "depth" for job in jobs)
+        with ThreadPoolExecutor(max_workers=max(1, len(by_family)) if parallel else 1) as pool:
             for future in [pool.submit(serve, family) for family in by_family]:
                 future.result()
         return judge([results[i] for i in range(len(jobs))])

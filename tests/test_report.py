@@ -5,9 +5,6 @@ tests/golden/README.md) through click's CliRunner, in-process: no probe runs, so
 a second. The document holds PASS, FAIL (one with NaN), ERROR and SKIP rows, depth-sweep rows, a fixed GPU
 environment, and one row whose backend, `ran` and `reason` are markdown- and HTML-hostile.
 
-Tests marked xfail(strict=True) pin bugs found in attn_doctor/ (the reason names the place); when one is
-fixed, the test XPASSes, fails the run, and its marker should go.
-
 Update the goldens deliberately: ATTN_DOCTOR_UPDATE_GOLDEN=1 pytest tests/test_report.py -k golden
 """
 

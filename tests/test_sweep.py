@@ -756,3 +756,16 @@ def test_bad_recipe_grid_exits_2_with_one_line(tmp_path, run_cli, grid):
         result = run_cli(["sweep", "--recipe", recipe, "--device", "cpu", "--backend", "sdpa.math",
                           "--out", tmp_path / "sweep"])
     _one_line_error(result)
+
+
+def test_out_that_already_holds_a_sweep_is_refused(tmp_path, monkeypatch, run_cli):
+    """Seen on the H200: re-running into an existing --out silently reused its old rows."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["sweep", "--batch", "1", "--seq", "16", "--heads", "2", "--head-dim", "8", "--backend", "sdpa.math",
+             "--layout", "contiguous", "--out", str(tmp_path / "sw")]
+    assert run_cli(flags).exit_code == 0
+    before = (tmp_path / "sw" / "results.jsonl").read_text()
+    again = run_cli(flags)
+    assert again.exit_code == 2
+    assert "--resume" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "sw" / "results.jsonl").read_text() == before

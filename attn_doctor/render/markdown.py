@@ -43,16 +43,19 @@ def _verdict(row: Row) -> str:
 
 def results_markdown(rows: list[Row]) -> str:
     names = [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(TENSORS)
+    shown_rows = [r for r in rows if r.coords.get("probe") != "depth"]
+    tp_distance = any("dq_vs_tp1" in r.extra for r in shown_rows)
     header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[n]} err (×base)" for n in names] + [
-        "dQ err / ε", "verdict"]
+        "dQ err / ε"] + (["‖dQ − dQ_TP1‖ / ‖dQ_TP1‖"] if tp_distance else []) + ["verdict"]
     body = []
-    for row, layout in sort_rows(display_rows([r for r in rows if r.coords.get("probe") != "depth"])):
+    for row, layout in sort_rows(display_rows(shown_rows)):
         dq = row.tensors.get("dq")
         in_eps = f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq is not None else ""
         ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
         knobs = row.case.short() + "".join(f" {k}={v}" for k, v in row.coords.items() if k != "probe")
+        distance = [sci(row.extra["dq_vs_tp1"]) if "dq_vs_tp1" in row.extra else ""] if tp_distance else []
         body.append([escape(row.backend), escape(ran), escape(layout), escape(knobs)]
-                    + [tensor_text(row, n) for n in names] + [in_eps, _verdict(row)])
+                    + [tensor_text(row, n) for n in names] + [in_eps] + distance + [_verdict(row)])
     return table(header, body) if body else ""
 
 

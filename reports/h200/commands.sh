@@ -22,7 +22,8 @@ bisect)
   step bisect $A bisect --from "$out/run-default/results.json" --json "$out/bisect/bisect.json" --out "$out/bisect"
   for script in "$out"/bisect/repro_*.py; do
     (cd /tmp && env -u PYTHONPATH python3 "$script") > "$out/bisect/repro-output.txt" 2>&1
-    echo "repro $(basename "$script"): exit $?" | tee -a "$out/bisect/repro-output.txt"
+    rc=$?  # read before anything else runs: a command substitution would reset $?
+    echo "repro $(basename "$script"): exit $rc" | tee -a "$out/bisect/repro-output.txt"
   done
   ;;
 bench)
