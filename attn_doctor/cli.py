@@ -12,11 +12,10 @@ from typing import Any
 import click
 from rich.console import Console
 
-from attn_doctor.results import dumps, write_atomic
-
 from attn_doctor.case import DTYPES, MASKS, Case, load_recipe, make_case
 from attn_doctor.errors import BadInput
 from attn_doctor.layouts import LAYOUTS
+from attn_doctor.results import dumps, write_atomic
 
 EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT = 0, 1, 2
 REPORTS_DIR = Path("reports")
@@ -187,7 +186,12 @@ def env(as_json: bool, no_te: bool) -> int:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the results document here (default: reports/<run-id>/results.json).")
 @click.option("--profile", is_flag=True, help="Print where the time went (startup, reference, kernels, ...).")
-def run(json_path: Path | None, profile: bool, backends, kernels, layouts, device, timeout, **case_flags) -> int:
+@click.option("--nproc", type=int, help="Run on N ranks launched with torchrun (N = --tp x --cp), gathering to rank 0.")
+@click.option("--tp", "tp_degree", type=int, default=1, show_default=True, help="With --nproc: tensor-parallel ranks.")
+@click.option("--cp", "cp_degree", type=int, default=1, show_default=True, help="With --nproc: context-parallel ranks.")
+@click.option("--cp-comm-type", default="p2p", show_default=True, help="With --cp: p2p, a2a or all_gather.")
+def run(json_path: Path | None, profile: bool, nproc: int | None, tp_degree: int, cp_degree: int, cp_comm_type: str,
+        backends, kernels, layouts, device, timeout, **case_flags) -> int:
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.render.env_view import env_rich_table
     from attn_doctor.render.terminal import notes_lines, results_table
@@ -199,8 +203,11 @@ def run(json_path: Path | None, profile: bool, backends, kernels, layouts, devic
     out_path = json_path or new_run_dir("run") / "results.json"
     console = _console()
     with console.status(f"checking {len(specs)} backends on {case.short()} ({device})", spinner="dots"):
-        report = diagnose([case], specs, list(layouts or LAYOUTS), device, command=_command_line(),
-                          timeout_s=timeout)
+        if nproc is not None:
+            report = _run_distributed(case, specs, device, nproc, tp_degree, cp_degree, cp_comm_type, timeout)
+        else:
+            report = diagnose([case], specs, list(layouts or LAYOUTS), device, command=_command_line(),
+                              timeout_s=timeout)
     if report.env is not None:
         console.print(env_rich_table(report.env))
     console.print(results_table(report.rows, title=f"{case.short()} on {device}"))
@@ -216,6 +223,22 @@ def run(json_path: Path | None, profile: bool, backends, kernels, layouts, devic
         for name, seconds in report.seconds.items():
             console.print(f"  {name:<42} {seconds:8.2f} s")
     return report.exit_code
+
+
+def _run_distributed(case, specs, device, nproc, tp, cp, cp_comm_type, timeout):
+    """`run --nproc`: each backend on N torchrun ranks, judged against the baseline rank 0 measured."""
+    from attn_doctor import distributed
+    from attn_doctor.diagnosis import judge
+    from attn_doctor.runner import finish_report
+
+    comm = cp_comm_type if cp > 1 else None
+    distributed.validate_grid(nproc, tp, cp, comm, device)
+    outcomes = distributed.launch_many([(spec, case) for spec in specs], nproc=nproc, tp=tp, cp=cp,
+                                       cp_comm_type=comm, device=device, timeout_s=timeout)
+    baselines = [row for row in map(distributed.baseline_row, outcomes) if row is not None]
+    rows = judge(baselines[:1] + [distributed.to_row(outcome) for outcome in outcomes])
+    rows = [distributed.apply_rank_verdicts(row) if row.coords else row for row in rows]
+    return finish_report(rows, device, _command_line(), te_facts=None)
 
 
 def grid_options(fn):

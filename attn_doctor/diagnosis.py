@@ -65,7 +65,7 @@ def find_faulty(rows: list[Row]) -> list[Faulty]:
                 backend=backend,
                 ran=next((row.ran for row in bad if row.ran), ""),
                 verdict=FAIL if any(row.verdict == FAIL for row in bad) else ERROR,
-                layouts=tuple(dict.fromkeys(row.layout for row in bad)),
+                layouts=tuple(dict.fromkeys(_place(row) for row in bad)),
                 tensors=tuple(tensors),
                 cases=tuple(dict.fromkeys(row.case.short() for row in bad)),
                 worst_ratio=max(ratios) if ratios else float("nan"),
@@ -73,6 +73,15 @@ def find_faulty(rows: list[Row]) -> list[Faulty]:
             )
         )
     return faulty
+
+
+def _place(row: Row) -> str:
+    """Where a row ran: its layout, plus the rank grid of a distributed probe."""
+    if row.coords.get("probe") == "distributed":
+        c = row.coords
+        cp = f" x CP={c['cp']} {c.get('cp_comm_type') or ''}".rstrip() if c.get("cp", 1) > 1 else ""
+        return f"{row.layout} (TP={c.get('tp', 1)}{cp}, {c.get('nproc')} ranks)"
+    return row.layout
 
 
 def _tensor_phrase(tensors: tuple[str, ...]) -> str:

@@ -56,6 +56,10 @@ class Row:
                     f" --tp {self.coords.get('tp', 1)}")
         if probe == "tp":
             return f"attn-doctor sweep {target} {self.case.cli_flags()} --tp {self.coords['tp']}"
+        if probe == "distributed":
+            comm = f" --cp-comm-type {self.coords['cp_comm_type']}" if self.coords.get("cp_comm_type") else ""
+            return (f"attn-doctor run {target} {self.case.cli_flags()} --nproc {self.coords['nproc']}"
+                    f" --tp {self.coords['tp']} --cp {self.coords['cp']}{comm}")
         return f"attn-doctor run {target} --layout {self.layout} {self.case.cli_flags()}"
 
     @property

@@ -39,8 +39,7 @@ class Job:
 class RunOutcome:
     rows: list[Row]
     te_facts: dict | None = None  # what the TE worker saw of TE in its own process
-    worker_starts: dict[str, int] = field(default_factory=dict)
-    startup_seconds: dict[str, float] = field(default_factory=dict)
+    startup_seconds: dict[str, float] = field(default_factory=dict)  # per family, all (re)starts
 
 
 def plan_jobs(cases: list[Case], specs: list[BackendSpec], layouts: list[str]) -> list[Job]:
@@ -122,7 +121,7 @@ def run_jobs(
     """Execute every job and return judged rows in the order of `jobs`."""
     with Session(device, timeout_s) as session:
         rows = session.run(jobs, on_row=on_row)
-        return RunOutcome(rows=rows, te_facts=session.te_facts, worker_starts=session.worker_starts,
+        return RunOutcome(rows=rows, te_facts=session.te_facts,
                           startup_seconds={f: w.startup_seconds for f, w in session.workers.items()})
 
 
@@ -148,10 +147,6 @@ class Session:
     def te_facts(self) -> dict | None:
         worker = self.workers.get("te")
         return (worker.hello or {}).get("te_facts") if worker and worker.hello else None
-
-    @property
-    def worker_starts(self) -> dict[str, int]:
-        return {family: w.starts for family, w in self.workers.items()}
 
     def run(self, jobs: list[Job], on_row: Callable[[Row], None] | None = None) -> list[Row]:
         """Execute every job (families concurrently) and return judged rows in the order of `jobs`."""

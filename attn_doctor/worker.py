@@ -59,6 +59,8 @@ def main(argv: list[str]) -> int:
     from attn_doctor.probe import CaseCache, DepthCache, run_depth_probe, run_probe, run_tp_probe
 
     device = torch.device(device_name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # TE builds its modules and workspaces on the current device
     cache = CaseCache(device)
     depth_cache = DepthCache(device)
     backends: dict[str, object] = {}

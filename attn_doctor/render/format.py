@@ -28,13 +28,14 @@ def ratio(value: float) -> str:
     return f"{value:.2f}×" if value < 10 else f"{value:.0f}×"
 
 
-def tensor_cell(row: Row, name: str) -> str:
+def tensor_cell(row: Row, name: str, *, parens: bool = False) -> str:
+    """A tensor's error and its ratio to the baseline, e.g. "4.1e-3 1.00×" (or "4.1e-3 (1.00×)")."""
     t = row.tensors.get(name)
     if t is None:
         return ""
-    text = f"{sci(t.rel_err)} {ratio(t.ratio)}"
+    text = f"{sci(t.rel_err)} ({ratio(t.ratio)})" if parens else f"{sci(t.rel_err)} {ratio(t.ratio)}"
     if t.nan or t.inf:
-        text += f" {t.nan} NaN {t.inf} Inf"
+        text += f" NaN {t.nan}, Inf {t.inf}"
     return text
 
 

@@ -8,7 +8,7 @@ with failing rows first, the reproduce commands, and the long details folded int
 from __future__ import annotations
 
 from attn_doctor.render.env_view import env_markdown
-from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci
+from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci, tensor_cell
 from attn_doctor.render.report_data import ReportData, compact_env, depth_rows, sort_rows
 from attn_doctor.results import Row
 from attn_doctor.verdict import EPS, TENSORS
@@ -28,13 +28,8 @@ FENCE = "`" * 3  # a traceback could hold a fence of its own; it is broken up be
 
 
 def tensor_text(row: Row, name: str) -> str:
-    t = row.tensors.get(name)
-    if t is None:
-        return ""
-    text = f"{sci(t.rel_err)} ({ratio(t.ratio)})"
-    if t.nan or t.inf:
-        text += f" NaN {t.nan}, Inf {t.inf}"
-    return f"**{text}**" if t.verdict == "FAIL" else text
+    text = tensor_cell(row, name, parens=True)
+    return f"**{text}**" if text and row.tensors[name].verdict == "FAIL" else text
 
 
 def _verdict(row: Row) -> str:
