@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BLOCK_BYTES = {"cuda": 1 << 30, "cpu": 1 << 27}
+DEFAULT_BLOCK_BYTES = {"cuda": 2 << 30, "cpu": 1 << 27}  # for the two float64 [rows, seq_kv] score buffers
 
 
 @dataclass
@@ -106,10 +106,13 @@ def attention_reference(
     f64 = torch.float64
 
     # [b, hkv, g, s, d]: query head h = kv_head * group + member, as repeat_interleave orders them.
-    q64 = q.to(f64).permute(0, 2, 1, 3).reshape(batch, kv_heads, group, seq_q, head_dim)
     backward = dout is not None
-    if backward:
-        do64 = dout.to(f64).permute(0, 2, 1, 3).reshape(batch, kv_heads, group, seq_q, head_dim_v)
+
+    def rows_of(t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+        """Queries [q0, q1) of a bshd tensor as float64 [b, hkv, group * n, d]: q and dout are upcast one
+        block at a time (each row is read once), k and v once in full (every block reads them)."""
+        block = t[:, q0:q1].to(f64).permute(0, 2, 1, 3)
+        return block.reshape(batch, kv_heads, group * (q1 - q0), t.shape[-1])
     k64 = k.to(f64).permute(0, 2, 1, 3)  # [b, hkv, s_kv, d]
     v64 = v.to(f64).permute(0, 2, 1, 3)
 
@@ -128,7 +131,7 @@ def attention_reference(
             continue  # every row of this block sees no key: out, dq stay 0, lse stays -inf
         n = q1 - q0
         # Scaling q (a block of rows) instead of the scores saves a full pass over the score block.
-        qb = q64[:, :, :, q0:q1].reshape(batch, kv_heads, group * n, head_dim) * softmax_scale
+        qb = rows_of(q, q0, q1) * softmax_scale  # not in place: for float64 inputs rows_of may be a view of q
         kb, vb = k64[:, :, k0:k1], v64[:, :, k0:k1]
 
         scores = torch.matmul(qb, kb.transpose(-1, -2))
@@ -146,7 +149,7 @@ def attention_reference(
         lse[:, :, :, q0:q1] = block_lse.view(batch, kv_heads, group, n)
         if backward:
             # Backward of the same block: dS = P * (dO V^T - rowsum(dO * O)).
-            dob = do64[:, :, :, q0:q1].reshape(batch, kv_heads, group * n, head_dim_v)
+            dob = rows_of(dout, q0, q1)
             delta = (dob * ob).sum(dim=-1, keepdim=True)
             dscores = torch.matmul(dob, vb.transpose(-1, -2)).sub_(delta).mul_(probs)
             dqb = torch.matmul(dscores, kb).mul_(softmax_scale)
