@@ -303,36 +303,12 @@ def _sdpa_masked(backend, q, k, v, visible, case):
 
 
 def _local_masked(q, k, v, visible, case):
-    """Megatron local core attention (as backends/local.py) with an explicit visibility mask; bshd in/out.
-
-    The same ops in the same order as LocalAttention.forward, whose mask is built from arange positions;
-    here the rows are the queries' global positions."""
-    import torch
-
-    from attn_doctor.backends.local import MEGATRON_MASK_FILL
+    """Megatron local core attention (backends/local.py) with an explicit visibility mask; bshd in/out.
+    The rows of `visible` are the queries' global positions."""
+    from attn_doctor.backends.local import megatron_core_attention
 
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # sbhd views
-    seq_q, batch, heads, head_dim = q.shape
-    seq_kv, _, kv_heads, _ = k.shape
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=2)
-        v = v.repeat_interleave(heads // kv_heads, dim=2)
-    q2 = q.reshape(seq_q, batch * heads, head_dim)
-    k2 = k.reshape(seq_kv, batch * heads, head_dim)
-    buffer = torch.empty(batch * heads, seq_q, seq_kv, dtype=q.dtype, device=q.device)
-    scores = torch.baddbmm(
-        buffer, q2.transpose(0, 1), k2.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=case.softmax_scale
-    ).view(batch, heads, seq_q, seq_kv)
-    in_float16 = q.dtype in (torch.float16, torch.bfloat16)
-    x = scores.float() if in_float16 else scores
-    if visible is not None:
-        x = x.masked_fill(~visible, MEGATRON_MASK_FILL)
-    probs = torch.softmax(x, dim=-1)
-    if in_float16:
-        probs = probs.to(q.dtype)
-    v2 = v.reshape(seq_kv, batch * heads, head_dim)
-    context = torch.bmm(probs.view(batch * heads, seq_q, seq_kv), v2.transpose(0, 1))
-    return context.view(batch, heads, seq_q, head_dim).permute(0, 2, 1, 3)  # bshd
+    return megatron_core_attention(q, k, v, case.softmax_scale, visible).transpose(0, 1)
 
 
 def _padded(backend, q, k, v, positions, case):

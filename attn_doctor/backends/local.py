@@ -23,36 +23,44 @@ from attn_doctor.reference import allowed_mask
 MEGATRON_MASK_FILL = -10000.0
 
 
+def megatron_core_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, visible: torch.Tensor | None
+) -> torch.Tensor:
+    """Megatron's core attention on sbhd tensors; `visible` is the [seq_q, seq_kv] boolean mask (None: all)."""
+    seq_q, batch, heads, head_dim = q.shape
+    seq_kv, _, kv_heads, _ = k.shape
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    q2 = q.reshape(seq_q, batch * heads, head_dim)
+    k2 = k.reshape(seq_kv, batch * heads, head_dim)
+    buffer = torch.empty(batch * heads, seq_q, seq_kv, dtype=q.dtype, device=q.device)
+    scores = torch.baddbmm(
+        buffer, q2.transpose(0, 1), k2.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=softmax_scale
+    ).view(batch, heads, seq_q, seq_kv)
+
+    in_float16 = q.dtype in (torch.float16, torch.bfloat16)
+    x = scores.float() if in_float16 else scores
+    if visible is not None:
+        x = x.masked_fill(~visible, MEGATRON_MASK_FILL)
+    probs = torch.softmax(x, dim=-1)
+    if in_float16:
+        probs = probs.to(q.dtype)
+
+    v2 = v.reshape(seq_kv, batch * heads, head_dim)
+    context = torch.bmm(probs.view(batch * heads, seq_q, seq_kv), v2.transpose(0, 1))
+    return context.view(batch, heads, seq_q, head_dim).permute(2, 0, 1, 3)
+
+
 class LocalAttention(Backend):
     qkv_format = "sbhd"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
-        seq_q, batch, heads, head_dim = q.shape
-        seq_kv, _, kv_heads, _ = k.shape
-        if kv_heads != heads:
-            k = k.repeat_interleave(heads // kv_heads, dim=2)
-            v = v.repeat_interleave(heads // kv_heads, dim=2)
-        q2 = q.reshape(seq_q, batch * heads, head_dim)
-        k2 = k.reshape(seq_kv, batch * heads, head_dim)
-        buffer = torch.empty(batch * heads, seq_q, seq_kv, dtype=q.dtype, device=q.device)
-        scores = torch.baddbmm(
-            buffer, q2.transpose(0, 1), k2.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=case.softmax_scale
-        ).view(batch, heads, seq_q, seq_kv)
-
-        in_float16 = q.dtype in (torch.float16, torch.bfloat16)
-        x = scores.float() if in_float16 else scores
         visible = allowed_mask(
-            torch.arange(seq_q, device=q.device), torch.arange(seq_kv, device=q.device), case.causal, case.window
+            torch.arange(q.shape[0], device=q.device), torch.arange(k.shape[0], device=q.device), case.causal,
+            case.window,
         )
-        if visible is not None:
-            x = x.masked_fill(~visible, MEGATRON_MASK_FILL)
-        probs = torch.softmax(x, dim=-1)
-        if in_float16:
-            probs = probs.to(q.dtype)
-
-        v2 = v.reshape(seq_kv, batch * heads, head_dim)
-        context = torch.bmm(probs.view(batch * heads, seq_q, seq_kv), v2.transpose(0, 1))
-        return context.view(batch, heads, seq_q, head_dim).permute(2, 0, 1, 3)
+        return megatron_core_attention(q, k, v, case.softmax_scale, visible)
 
     def ran(self, out: torch.Tensor) -> str:
         return "Megatron local: baddbmm + fp32 softmax"
