@@ -447,18 +447,10 @@ class TEShards:
         ctx, te = self.ctx, self.backend._te.te
         key = (case.heads, case.num_kv_heads, case.head_dim, case.mask, case.window)
         if key not in self.modules:
-            kwargs = dict(
-                num_attention_heads=case.heads,  # TE divides by tp_size itself
-                kv_channels=case.head_dim,
-                num_gqa_groups=case.num_kv_heads,
-                attention_dropout=0.0,
-                qkv_format="sbhd",
-                attn_mask_type="causal" if case.causal else "no_mask",
-                window_size=case.window,
-                softmax_scale=case.softmax_scale,
-                tp_size=ctx.tp,
-                tp_group=ctx.tp_group,
-            )
+            from attn_doctor.backends.te import dpa_arguments
+
+            # The full head counts: TE divides them by tp_size itself.
+            kwargs = dict(dpa_arguments(case), tp_size=ctx.tp, tp_group=ctx.tp_group)
             if ctx.cp > 1:
                 if self.stream is None:
                     self.stream = ctx.torch.cuda.Stream()

@@ -107,6 +107,20 @@ def describe_state(state: dict) -> str:
     return "no backend"
 
 
+def dpa_arguments(case: Case) -> dict:
+    """DotProductAttention's constructor arguments for a case (sbhd, no dropout), before any TP/CP ones."""
+    return dict(
+        num_attention_heads=case.heads,
+        kv_channels=case.head_dim,
+        num_gqa_groups=case.num_kv_heads,
+        attention_dropout=0.0,
+        qkv_format="sbhd",
+        attn_mask_type="causal" if case.causal else "no_mask",
+        window_size=case.window,
+        softmax_scale=case.softmax_scale,
+    )
+
+
 class TEAttention(Backend):
     qkv_format = "sbhd"
 
@@ -127,16 +141,7 @@ class TEAttention(Backend):
         # A new module per setting: TE reads some settings (e.g. determinism) only at construction.
         key = (case.heads, case.num_kv_heads, case.head_dim, case.mask, case.window)
         if key not in self._modules:
-            self._modules[key] = self._te.te.DotProductAttention(
-                num_attention_heads=case.heads,
-                kv_channels=case.head_dim,
-                num_gqa_groups=case.num_kv_heads,
-                attention_dropout=0.0,
-                qkv_format="sbhd",
-                attn_mask_type="causal" if case.causal else "no_mask",
-                window_size=case.window,
-                softmax_scale=case.softmax_scale,
-            )
+            self._modules[key] = self._te.te.DotProductAttention(**dpa_arguments(case))
         return self._modules[key]
 
     def _force(self) -> None:
