@@ -38,7 +38,7 @@ from attn_doctor.backends import BASELINE, BackendSpec, te_installed
 from attn_doctor.case import Case
 from attn_doctor.errors import BadInput
 from attn_doctor.metrics import TensorMetrics
-from attn_doctor.pool import PACKAGE_PARENT
+from attn_doctor.pool import PACKAGE_PARENT, describe_exit
 from attn_doctor.results import Row
 from attn_doctor.verdict import ERROR, FAIL, PASS, SKIP, TensorVerdict, judge_tensor
 
@@ -331,17 +331,12 @@ def launch_many(requests: list[tuple[BackendSpec, Case]], *, nproc: int, tp: int
 
 
 def _signal_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
     if code > 128:  # a shell-style report of a signal
         try:
             return f"exit code {code} (signal {signal.Signals(code - 128).name}?)"
         except ValueError:
             pass
-    return f"exit code {code}"
+    return describe_exit(code)
 
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")

@@ -23,7 +23,7 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 STARTUP_TIMEOUT_S = 300.0
 
 
-def _signal_name(returncode: int) -> str:
+def describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:
             return f"signal {signal.Signals(-returncode).name}"
@@ -105,7 +105,7 @@ class Worker:
         except subprocess.TimeoutExpired:
             return f"worker {self.family} closed its output but did not exit {doing}"
         tail = self.stderr_tail()
-        why = f"worker {self.family} died {doing} ({_signal_name(code)})"
+        why = f"worker {self.family} died {doing} ({describe_exit(code)})"
         return f"{why}: {tail.splitlines()[-1]}" if tail else why
 
     def request(self, job: dict[str, Any]) -> dict[str, Any]:

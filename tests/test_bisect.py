@@ -20,6 +20,7 @@ import pytest
 
 from attn_doctor.bisect import Bisector, Config, NothingToBisect, Outcome, valid_config
 from attn_doctor.case import Case, make_case
+from cli_checks import one_line_error
 
 COND = Path(__file__).resolve().parent / "kernels" / "conditional.py"
 DOC_KEYS = {"start_case", "minimal_case", "necessary", "probes", "repro"}
@@ -463,13 +464,6 @@ def test_repro_errors_match_the_tools_minimal_case(bisected, no_attn_doctor, run
 
 # --- nothing to bisect, and bad input ---------------------------------------------------------------------
 
-def _one_line_error(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("attn-doctor: error: ")
-    return lines[0]
 
 
 def test_bisect_of_a_passing_case_exits_1_nothing_to_bisect(run_cli, tmp_path, monkeypatch, small_flags):
@@ -522,7 +516,7 @@ def test_bisect_bad_input_exits_2_with_one_line(name, run_cli, results_files, tm
     monkeypatch.chdir(tmp_path)
     result = run_cli(["bisect", *args, "--batch", 1, "--seq", 16, "--heads", 4, "--head-dim", 16, "--device", "cpu"]
                      if not any(a == "--from" for a in args) else ["bisect", *args, "--device", "cpu"])
-    line = _one_line_error(result)
+    line = one_line_error(result)
     assert message in line, line
     assert not list(tmp_path.rglob("repro_*.py")) and not (tmp_path / "reports").exists()  # nothing was bisected
 

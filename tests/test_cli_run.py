@@ -13,20 +13,13 @@ import pytest
 import torch
 
 from attn_doctor.verdict import TENSORS
+from cli_checks import one_line_error
 
 TENSOR_KEYS = {"rel_err", "max_abs_err", "cosine", "baseline_rel_err", "ratio", "verdict"}
 ROW_KEYS = {"backend", "layout", "ran", "verdict", "reason", "case", "tensors"}
 PASSING_LAYOUTS = ["contiguous", "transposed"]
 
 
-def _one_line_error(result) -> str:
-    """The stderr of a refused command: exactly one line, no traceback, and nothing run."""
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("attn-doctor: error: ")
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +242,7 @@ BAD_RUNS = [
 def test_bad_run_input_exits_2_with_one_line(args, message, tmp_path, monkeypatch, run_cli, faulty_path):
     monkeypatch.chdir(tmp_path)
     args = [a.replace("{faulty}", str(faulty_path)) for a in args]
-    line = _one_line_error(run_cli(["run", "--device", "cpu", *args]))
+    line = one_line_error(run_cli(["run", "--device", "cpu", *args]))
     assert message in line
     assert not (tmp_path / "reports").exists()
 
@@ -268,7 +261,7 @@ def test_broken_recipe_exits_2_with_one_line(text, message, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "broken.toml"
     recipe.write_text(text)
-    line = _one_line_error(run_cli(["run", "--device", "cpu", "--recipe", recipe]))
+    line = one_line_error(run_cli(["run", "--device", "cpu", "--recipe", recipe]))
     assert message in line
     assert not (tmp_path / "reports").exists()
 
@@ -356,11 +349,11 @@ def test_report_bad_file_exits_2(content, message, passing_run, tmp_path, monkey
         path.write_bytes(content)
     elif content is not None:
         path.write_text(content)
-    line = _one_line_error(run_cli(["report", path]))
+    line = one_line_error(run_cli(["report", path]))
     assert message in line
 
 
 def test_report_without_any_run_exits_2(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
-    line = _one_line_error(run_cli(["report"]))
+    line = one_line_error(run_cli(["report"]))
     assert "no results under reports/" in line

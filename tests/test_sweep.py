@@ -26,6 +26,7 @@ from attn_doctor import sweep as sweeping
 from attn_doctor.case import make_case
 from attn_doctor.cli import build_grid
 from attn_doctor.results import read_report
+from cli_checks import one_line_error
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -50,14 +51,6 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def _one_line_error(result) -> str:
-    """A refused command: exit 2, exactly one line on stderr, no traceback."""
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("attn-doctor: error: ")
-    return lines[0]
 
 
 def _sweep(run_cli, workdir: Path, args) -> tuple[object, dict]:
@@ -543,8 +536,8 @@ def test_resume_without_results_jsonl_exits_2(tmp_path, run_cli):
     (tmp_path / "empty").mkdir()
     line = _resume(run_cli, tmp_path / "empty").stderr
     assert "no results.jsonl" in line
-    _one_line_error(_resume(run_cli, tmp_path / "empty"))
-    _one_line_error(_resume(run_cli, tmp_path / "missing"))
+    one_line_error(_resume(run_cli, tmp_path / "empty"))
+    one_line_error(_resume(run_cli, tmp_path / "missing"))
 
 
 def test_resume_and_out_disagree_exits_2(layout_sweep, tmp_path, run_cli):
@@ -552,7 +545,7 @@ def test_resume_and_out_disagree_exits_2(layout_sweep, tmp_path, run_cli):
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path)
         result = run_cli(["sweep", *RESUME_FLAGS, "--resume", directory, "--out", tmp_path / "elsewhere"])
-    _one_line_error(result)
+    one_line_error(result)
 
 
 GARBAGE = {
@@ -571,7 +564,7 @@ def test_garbage_line_in_the_middle_exits_2(layout_sweep, tmp_path, run_cli, gar
     path = directory / sweeping.RESULTS_FILE
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:3]) + garbage + b"".join(lines[3:]))
-    line = _one_line_error(_resume(run_cli, directory))
+    line = one_line_error(_resume(run_cli, directory))
     assert "results.jsonl:4" in line
     assert not (directory / "results.json").exists()
 
@@ -705,7 +698,7 @@ def test_depth_sweep_with_cross_attention_blames_no_kernel(tmp_path, run_cli):
         result = run_cli(["sweep", *TINY_FLAGS, "--seq", "16", "--seq-kv", "24", "--layers", "1",
                           "--backend", "sdpa.math", "--out", tmp_path / "sweep"])
     if result.exit_code == 2:
-        _one_line_error(result)
+        one_line_error(result)
         return
     doc = json.loads((tmp_path / "sweep" / "results.json").read_text())
     assert not [r for r in doc["results"] if r["verdict"] in ("ERROR", "FAIL")], _norm(doc["summary"])
@@ -733,7 +726,7 @@ def test_bad_grid_flags_exit_2_with_one_line(tmp_path, run_cli, flags):
         mp.chdir(tmp_path)
         result = run_cli(["sweep", "--batch", "1", "--seq", "16", "--heads", "2", "--head-dim", "8",
                           "--device", "cpu", "--backend", "sdpa.math", *flags, "--out", tmp_path / "sweep"])
-    _one_line_error(result)
+    one_line_error(result)
     assert not (tmp_path / "sweep" / "results.json").exists()
 
 
@@ -755,7 +748,7 @@ def test_bad_recipe_grid_exits_2_with_one_line(tmp_path, run_cli, grid):
         mp.chdir(tmp_path)
         result = run_cli(["sweep", "--recipe", recipe, "--device", "cpu", "--backend", "sdpa.math",
                           "--out", tmp_path / "sweep"])
-    _one_line_error(result)
+    one_line_error(result)
 
 
 def test_out_that_already_holds_a_sweep_is_refused(tmp_path, monkeypatch, run_cli):
