@@ -1,9 +1,17 @@
 """Exact float64 attention forward and backward: the arbiter every backend is measured against.
 
-Computed block by block over queries, one pass per block (forward, then its share of the backward),
-so the seq_q x seq_kv score matrix is never materialised: only a block of rows, and for causal or
-sliding-window masks only the key columns the mask leaves. GQA is handled by folding each group of
-query heads into the rows of its key/value head, so k and v are never expanded.
+Computed as FlashAttention computes it, in tiles of (query rows x key columns), so the seq_q x seq_kv score
+matrix is never materialised. Each block of query rows takes two passes over its key tiles: the forward
+(output, row sums, log-sum-exp), then the backward, with the block's probabilities kept from its forward
+where the byte budget allows (heads are then taken a few at a time), else recomputed tile by tile. Key
+tiles a causal or sliding-window mask hides entirely are skipped, and the mask is applied only to tiles it
+cuts. GQA is handled by folding each group of query heads into the rows of its key/value head, so k and v
+are never expanded.
+
+Most of the time goes into the matmuls. To keep the element-wise passes over the tiles few (they are
+bound by memory bandwidth), the row sums and the backward's delta ride inside the matmuls on an extra
+column (see `_extended`), and ordinary scores need no softmax shift: exp is the only element-wise pass of
+the forward, one product the only one of the backward.
 
 Tensors are in "bshd" logical shape: q, dout, out, dq [batch, seq_q, heads, head_dim];
 k, v, dk, dv [batch, seq_kv, kv_heads, head_dim]. Inputs may be any dtype and any strides;
@@ -16,7 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BLOCK_BYTES = {"cuda": 2 << 30, "cpu": 1 << 27}  # for the two float64 [rows, seq_kv] score buffers
+# Bytes for float64 score tiles. On CUDA: at seq 131072, 1024 rows of 4 heads' probabilities kept (4 GiB),
+# 18.6 GiB in all with 16 heads.
+DEFAULT_BLOCK_BYTES = {"cuda": 9 << 29, "cpu": 1 << 27}
+MAX_TILE_ROWS, MAX_TILE_COLS = 1024, 8192  # 8192 columns: 1.3% faster than 4096 at seq 131072 on the H200
+MIN_TILE = 16
+# Fewest query rows per block worth keeping the probabilities for: the backward's dK and dV matmuls take
+# the block's rows as their inner dimension, and below this they run too far from the matmul rate.
+MIN_KEPT_ROWS = 256
+# Below this bound on every |score| exp needs no shift: exp(+-300) ~ 1e+-130 leaves room for the sums.
+SHIFT_FREE_BOUND = 300.0
+# A row whose exponentials sum below this lost range to the shift (none, or a loose bound on its maximum
+# score, see `_score_bound`); its block is redone with the exact maximum. exp(-645) is still a normal double.
+UNDERFLOW_SUM = 1e-280
 
 
 @dataclass
@@ -31,11 +51,17 @@ class Reference:
         return {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv}
 
 
-def key_range(q_start: int, q_stop: int, seq_kv: int, causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
-    """Columns [k0, k1) that queries [q_start, q_stop) can see (top-left aligned causal, TE window convention)."""
+def _edges(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """(left, right) reach of a query row in keys, -1 for unbounded; causal caps the right reach at 0."""
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def key_range(q_start: int, q_stop: int, seq_kv: int, causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """Columns [k0, k1) that queries [q_start, q_stop) can see (top-left aligned causal, TE window convention)."""
+    left, right = _edges(causal, window)
     k0 = 0 if left < 0 else max(0, q_start - left)
     k1 = seq_kv if right < 0 else min(seq_kv, q_stop + right)
     return k0, max(k0, k1)
@@ -45,9 +71,7 @@ def allowed_mask(
     rows: torch.Tensor, cols: torch.Tensor, causal: bool, window: tuple[int, int] | None
 ) -> torch.Tensor | None:
     """Boolean [len(rows), len(cols)] mask of visible (query, key) pairs, or None when all are visible."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = _edges(causal, window)
     mask = None
     if right >= 0:
         mask = cols[None, :] <= rows[:, None] + right
@@ -57,31 +81,83 @@ def allowed_mask(
     return mask
 
 
-def _mask_edges(scores: torch.Tensor, q0: int, q1: int, k0: int, k1: int, group: int, causal: bool,
-                window: tuple[int, int] | None) -> None:
-    """Fill -inf where the mask hides keys, touching only the column ranges the mask can reach in this
-    block (for causal, the diagonal strip), not the whole block."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+def rows_seeing_keys(q0: int, q1: int, seq_kv: int, causal: bool, window: tuple[int, int] | None,
+                     device: torch.device) -> torch.Tensor:
+    """Boolean [q1 - q0]: which queries see at least one key."""
+    left, right = _edges(causal, window)
+    rows = torch.arange(q0, q1, device=device)
+    first = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+    stop = (rows + right + 1).clamp(max=seq_kv) if right >= 0 else torch.full_like(rows, seq_kv)
+    return stop > first
+
+
+def _mask_tile(scores: torch.Tensor, q0: int, q1: int, c0: int, c1: int, group: int, causal: bool,
+               window: tuple[int, int] | None) -> None:
+    """Fill -inf where the mask hides keys [c0, c1) from queries [q0, q1), touching only the column ranges
+    the mask can reach in this tile (for causal, the diagonal strip), not the whole tile."""
+    left, right = _edges(causal, window)
     ranges = []
-    if right >= 0 and k1 > q0 + right + 1:
-        ranges.append((max(k0, q0 + right + 1), k1))  # keys past the first row's right edge
-    if left >= 0 and k0 < q1 - 1 - left:
-        ranges.append((k0, min(k1, q1 - 1 - left)))  # keys before the last row's left edge
+    if right >= 0 and c1 > q0 + right + 1:
+        ranges.append((max(c0, q0 + right + 1), c1))  # keys past the first row's right edge
+    if left >= 0 and c0 < q1 - 1 - left:
+        ranges.append((c0, min(c1, q1 - 1 - left)))  # keys before the last row's left edge
     if not ranges:
         return
     rows = torch.arange(q0, q1, device=scores.device).repeat(group)
-    for c0, c1 in ranges:
-        visible = allowed_mask(rows, torch.arange(c0, c1, device=scores.device), causal, window)
-        scores[..., c0 - k0:c1 - k0].masked_fill_(~visible, float("-inf"))
+    for r0, r1 in ranges:
+        visible = allowed_mask(rows, torch.arange(r0, r1, device=scores.device), causal, window)
+        scores[..., r0 - c0:r1 - c0].masked_fill_(~visible, float("-inf"))
 
 
-def _block_rows(batch: int, heads: int, seq_kv: int, seq_q: int, device: torch.device, block_bytes: int | None) -> int:
+@dataclass(frozen=True)
+class TilePlan:
+    pairs: int  # (batch, kv head) pairs per chunk: the matmuls' batch dimension
+    rows: int  # query positions per block
+    cols: int  # key columns per tile
+    keep: bool  # keep each block's probabilities from its forward for its backward, instead of recomputing them
+
+
+def plan_tiles(pairs: int, group: int, seq_q: int, seq_kv: int, device: torch.device,
+               block_bytes: int | None) -> TilePlan:
+    """Tiles as large as the byte budget allows.
+
+    Keeping a block's probabilities (rows x every key) saves a matmul and an exp per (query, key) pair, so
+    it is chosen whenever blocks of enough rows fit; heads are then taken a few at a time (a chunk of
+    pairs) so that long sequences still get tall blocks. Otherwise the probabilities are recomputed in the
+    backward, tile by tile, all pairs at once.
+    """
     budget = block_bytes if block_bytes is not None else DEFAULT_BLOCK_BYTES.get(device.type, 1 << 27)
-    per_query_row = batch * heads * max(seq_kv, 1) * 8 * 2  # two float64 [rows, seq_kv] buffers live at once
-    rows = max(16, budget // per_query_row)
-    return int(min(seq_q, rows))
+    cols = min(seq_kv, MAX_TILE_COLS)
+    bytes_per_row = group * 8 * (seq_kv + cols)  # per pair: the kept probabilities and one gradient tile
+    tallest = min(seq_q, MAX_TILE_ROWS)
+    chunk = max(1, min(pairs, budget // (bytes_per_row * tallest)))
+    kept_rows = budget // (chunk * bytes_per_row)
+    if kept_rows >= min(seq_q, MIN_KEPT_ROWS):
+        rows = min(tallest, kept_rows)
+        if 64 < rows < seq_q:
+            rows -= rows % 64  # whole matmul tiles
+        return TilePlan(chunk, rows, cols, keep=True)
+    rows = tallest
+    while pairs * group * rows * cols * 8 * 2 > budget and (rows > MIN_TILE or cols > MIN_TILE):
+        if cols > rows and cols > MIN_TILE:
+            cols = max(MIN_TILE, cols // 2)
+        else:
+            rows = max(MIN_TILE, rows // 2)
+    return TilePlan(pairs, max(1, rows), max(1, cols), keep=False)
+
+
+def _extended(t: torch.Tensor, extra: torch.Tensor | float) -> torch.Tensor:
+    """Float64 [..., n, round_up(d + 1, 8)] holding t in the first d columns and `extra` in column d.
+
+    With K = [k, 1] and Q = [q * scale, -c] one matmul gives q k^T * scale - c, with V = [v, 1] the row sums
+    come out of P V as the last column, and with dO = [do, -delta] dO V^T is dP - delta: no separate pass.
+    The zero padding keeps the rows 64-byte aligned for the matmul.
+    """
+    d = t.shape[-1]
+    out = torch.zeros(*t.shape[:-1], -(-(d + 1) // 8) * 8, dtype=torch.float64, device=t.device)
+    out[..., :d] = t
+    out[..., d] = extra
+    return out
 
 
 def attention_reference(
@@ -95,7 +171,7 @@ def attention_reference(
     window: tuple[int, int] | None = None,
     block_bytes: int | None = None,
 ) -> Reference:
-    """Float64 out, dq, dk, dv and log-sum-exp of softmax(q k^T * scale + mask) v, blockwise.
+    """Float64 out, dq, dk, dv and log-sum-exp of softmax(q k^T * scale + mask) v, tile by tile.
 
     With `dout` None only the forward is computed (dq, dk, dv are returned as None).
     """
@@ -104,71 +180,185 @@ def attention_reference(
     group = heads // kv_heads
     device = q.device
     f64 = torch.float64
+    pairs = batch * kv_heads  # independent problems; each one's query rows are (group member, position)
 
-    # [b, hkv, g, s, d]: query head h = kv_head * group + member, as repeat_interleave orders them.
-    backward = dout is not None
+    def per_kv_head(t: torch.Tensor) -> torch.Tensor:
+        return t.to(f64).permute(0, 2, 1, 3).reshape(pairs, seq_kv, t.shape[-1])
 
-    def rows_of(t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
-        """Queries [q0, q1) of a bshd tensor as float64 [b, hkv, group * n, d]: q and dout are upcast one
-        block at a time (each row is read once), k and v once in full (every block reads them)."""
-        block = t[:, q0:q1].to(f64).permute(0, 2, 1, 3)
-        return block.reshape(batch, kv_heads, group * (q1 - q0), t.shape[-1])
-    k64 = k.to(f64).permute(0, 2, 1, 3)  # [b, hkv, s_kv, d]
-    v64 = v.to(f64).permute(0, 2, 1, 3)
+    # Before the big allocations: the float64 norms are transient.
+    shift_free = _score_bound_of_all(q, k, softmax_scale) <= SHIFT_FREE_BOUND
+    k_ext = _extended(per_kv_head(k), 1.0)  # [pairs, s_kv, d + pad]
+    v_ext = _extended(per_kv_head(v), 1.0)
+    out = torch.zeros(pairs, group, seq_q, head_dim_v, dtype=f64, device=device)
+    lse = torch.full((pairs, group, seq_q), float("-inf"), dtype=f64, device=device)
+    grads = None
+    if dout is not None:
+        grads = (torch.zeros(pairs, group, seq_q, head_dim, dtype=f64, device=device),
+                 torch.zeros(pairs, seq_kv, head_dim, dtype=f64, device=device),
+                 torch.zeros(pairs, seq_kv, head_dim_v, dtype=f64, device=device))
 
-    out = torch.zeros(batch, kv_heads, group, seq_q, head_dim_v, dtype=f64, device=device)
-    lse = torch.full((batch, kv_heads, group, seq_q), float("-inf"), dtype=f64, device=device)
-    if backward:
-        dq = torch.zeros(batch, kv_heads, group, seq_q, head_dim, dtype=f64, device=device)
-        dk = torch.zeros(batch, kv_heads, seq_kv, head_dim, dtype=f64, device=device)
-        dv = torch.zeros(batch, kv_heads, seq_kv, head_dim_v, dtype=f64, device=device)
+    def rows_of(t: torch.Tensor, p0: int, p1: int, q0: int, q1: int) -> torch.Tensor:
+        """Positions [q0, q1) of pairs [p0, p1) of a bshd tensor as float64 [p1 - p0, group * n, d]."""
+        block = t[:, q0:q1].view(batch, q1 - q0, kv_heads, group, t.shape[-1]).permute(0, 2, 3, 1, 4)
+        return block.reshape(pairs, group * (q1 - q0), t.shape[-1])[p0:p1].to(f64)
 
-    rows_per_block = _block_rows(batch, heads, seq_kv, seq_q, device, block_bytes)
-    for q0 in range(0, seq_q, rows_per_block):
-        q1 = min(seq_q, q0 + rows_per_block)
-        k0, k1 = key_range(q0, q1, seq_kv, causal, window)
-        if k1 <= k0:
-            continue  # every row of this block sees no key: out, dq stay 0, lse stays -inf
-        n = q1 - q0
-        # Scaling q (a block of rows) instead of the scores saves a full pass over the score block.
-        qb = rows_of(q, q0, q1) * softmax_scale  # not in place: for float64 inputs rows_of may be a view of q
-        kb, vb = k64[:, :, k0:k1], v64[:, :, k0:k1]
-
-        scores = torch.matmul(qb, kb.transpose(-1, -2))
-        _mask_edges(scores, q0, q1, k0, k1, group, causal, window)
-        row_max = scores.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        probs = scores.sub_(row_max).exp_()  # in place: the scores buffer becomes the probabilities
-        row_sum = probs.sum(dim=-1, keepdim=True)
-        seen = row_sum > 0
-        probs.div_(torch.where(seen, row_sum, torch.ones_like(row_sum)))
-        ob = torch.matmul(probs, vb)
-        block_lse = torch.where(seen, row_max + torch.log(row_sum), torch.full_like(row_sum, float("-inf")))
-
-        out[:, :, :, q0:q1] = ob.view(batch, kv_heads, group, n, head_dim_v)
-        lse[:, :, :, q0:q1] = block_lse.view(batch, kv_heads, group, n)
-        if backward:
-            # Backward of the same block: dS = P * (dO V^T - rowsum(dO * O)).
-            dob = rows_of(dout, q0, q1)
-            delta = (dob * ob).sum(dim=-1, keepdim=True)
-            dscores = torch.matmul(dob, vb.transpose(-1, -2)).sub_(delta).mul_(probs)
-            dqb = torch.matmul(dscores, kb).mul_(softmax_scale)
-            dk[:, :, k0:k1] += torch.matmul(dscores.transpose(-1, -2), qb)  # qb is already scaled
-            dv[:, :, k0:k1] += torch.matmul(probs.transpose(-1, -2), dob)
-            dq[:, :, :, q0:q1] = dqb.view(batch, kv_heads, group, n, head_dim)
-            del dscores
-        del scores, probs
+    plan = plan_tiles(pairs, group, seq_q, seq_kv, device, block_bytes)
+    for p0 in range(0, pairs, plan.pairs):
+        p1 = min(pairs, p0 + plan.pairs)
+        chunk = _Chunk(k_ext[p0:p1], v_ext[p0:p1], out[p0:p1], lse[p0:p1],
+                       None if grads is None else tuple(g[p0:p1] for g in grads),
+                       k_norms=k_ext[p0:p1, :, :head_dim].norm(dim=-1))
+        for q0 in range(0, seq_q, plan.rows):
+            q1 = min(seq_q, q0 + plan.rows)
+            k0, k1 = key_range(q0, q1, seq_kv, causal, window)
+            if k1 <= k0:
+                continue  # every row of this block sees no key: out, dq stay 0, lse stays -inf
+            tiles = [(c0, min(k1, c0 + plan.cols)) for c0 in range(k0, k1, plan.cols)]
+            _attend_block(
+                chunk, _Block(q0, q1, tiles, group, causal, window), rows_of(q, p0, p1, q0, q1) * softmax_scale,
+                None if dout is None else rows_of(dout, p0, p1, q0, q1), softmax_scale,
+                shift_free=shift_free, keep=plan.keep or len(tiles) == 1,  # one tile's are at hand anyway
+            )
 
     def to_bshd(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(batch, heads, seq_q, t.shape[-1]).permute(0, 2, 1, 3)
 
+    def kv_to_bshd(t: torch.Tensor) -> torch.Tensor:
+        return t.view(batch, kv_heads, seq_kv, t.shape[-1]).permute(0, 2, 1, 3)
+
     return Reference(
         out=to_bshd(out),
-        dq=to_bshd(dq) if backward else None,
-        dk=dk.permute(0, 2, 1, 3) if backward else None,
-        dv=dv.permute(0, 2, 1, 3) if backward else None,
+        dq=None if grads is None else to_bshd(grads[0]),
+        dk=None if grads is None else kv_to_bshd(grads[1]),
+        dv=None if grads is None else kv_to_bshd(grads[2]),
         lse=lse.reshape(batch, heads, seq_q),
     )
+
+
+@dataclass
+class _Chunk:
+    """Views of one chunk of (batch, kv head) pairs: extended k and v in, results out."""
+
+    k_ext: torch.Tensor  # [pairs, s_kv, d + pad]: [k, 1, 0...]
+    v_ext: torch.Tensor  # [pairs, s_kv, d_v + pad]: [v, 1, 0...]
+    out: torch.Tensor  # [pairs, group, s_q, d_v]
+    lse: torch.Tensor  # [pairs, group, s_q]
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # dq like out; dk, dv like k and v
+    k_norms: torch.Tensor  # [pairs, s_kv]: |k|, for the score bound
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Query positions [q0, q1) and the key tiles they see."""
+
+    q0: int
+    q1: int
+    tiles: list[tuple[int, int]]
+    group: int
+    causal: bool
+    window: tuple[int, int] | None
+
+    def mask(self, scores: torch.Tensor, c0: int, c1: int) -> None:
+        _mask_tile(scores, self.q0, self.q1, c0, c1, self.group, self.causal, self.window)
+
+
+def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: torch.Tensor | None,
+                  softmax_scale: float, shift_free: bool, keep: bool) -> None:
+    """Forward (and, with `dob`, backward) of one block of query rows against its key tiles."""
+    q0, q1, tiles = block.q0, block.q1, block.tiles
+    head_dim, head_dim_v = q_scaled.shape[-1], chunk.out.shape[-1]
+    keys = chunk.k_ext[..., :head_dim]  # k alone, as a strided view
+    n = q1 - q0
+    pairs, group = chunk.out.shape[0], block.group
+
+    def probabilities(q_side: torch.Tensor, k_side: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+        """exp(q k^T * scale - shift) for keys [c0, c1), masked, not normalised. The shift, if any, rides
+        on the operands' extra column (see `_extended`)."""
+        scores = torch.bmm(q_side, k_side[:, c0:c1].transpose(1, 2))
+        block.mask(scores, c0, c1)
+        return scores.exp_()
+
+    seq_kv = chunk.k_ext.shape[1]
+    seen = rows_seeing_keys(q0, q1, seq_kv, block.causal, block.window, q_scaled.device).repeat(group)
+    # Scores bounded by SHIFT_FREE_BOUND can neither overflow exp nor underflow the sums: no shift, and the
+    # score matmuls keep K = head_dim. Otherwise each row is shifted by its score bound.
+    shift = None if shift_free else _score_bound(q_scaled, chunk.k_norms[:, tiles[0][0]:tiles[-1][1]])
+    for retry in (False, True):
+        q_side, k_side = ((q_scaled, keys) if shift is None else (_extended(q_scaled, -shift), chunk.k_ext))
+        sums, kept = None, []
+        for c0, c1 in tiles:
+            probs = probabilities(q_side, k_side, c0, c1)
+            if sums is None:
+                sums = torch.bmm(probs, chunk.v_ext[:, c0:c1])  # [P v | row sum of P]
+            else:
+                sums.baddbmm_(probs, chunk.v_ext[:, c0:c1])
+            if keep:
+                kept.append(probs)
+            del probs
+        row_sum = sums[..., head_dim_v]
+        if shift is None or retry or not bool(((row_sum < UNDERFLOW_SUM) & seen).any()):
+            break
+        shift = _exact_row_max(q_scaled, keys, tiles, block.mask, seen)
+
+    ob = torch.where(seen[:, None], sums[..., :head_dim_v] / row_sum[..., None], 0.0)
+    block_lse = torch.log(row_sum) if shift is None else shift + torch.log(row_sum)
+    chunk.out[:, :, q0:q1] = ob.view(pairs, group, n, head_dim_v)
+    chunk.lse[:, :, q0:q1] = torch.where(seen, block_lse, float("-inf")).view(pairs, group, n)
+    if dob is None:
+        return
+
+    # Backward: dS = P * (dO v^T - rowsum(dO * O)) with P = P~ / l, the forward's unnormalised
+    # probabilities over their row sums. Dividing dO and the delta by l instead of P~ saves a pass over
+    # each tile. P~ is the forward's, kept, or recomputed tile by tile.
+    dq, dk, dv = chunk.grads
+    inverse_sum = torch.where(seen, 1 / row_sum, 0.0)
+    delta = (dob * ob).sum(dim=-1) * inverse_sum
+    dob = dob * inverse_sum[..., None]
+    do_ext = _extended(dob, -delta)
+    dqb = None
+    for index, (c0, c1) in enumerate(tiles):
+        if keep:
+            probs, kept[index] = kept[index], None  # freed as soon as the tile is done
+        else:
+            probs = probabilities(q_side, k_side, c0, c1)
+        dv[:, c0:c1].baddbmm_(probs.transpose(1, 2), dob)
+        dscores = torch.bmm(do_ext, chunk.v_ext[:, c0:c1].transpose(1, 2)).mul_(probs)
+        del probs
+        if dqb is None:
+            dqb = torch.bmm(dscores, keys[:, c0:c1])
+        else:
+            dqb.baddbmm_(dscores, keys[:, c0:c1])
+        dk[:, c0:c1].baddbmm_(dscores.transpose(1, 2), q_scaled)  # q is already scaled
+        del dscores
+    dq[:, :, q0:q1] = (dqb * softmax_scale).view(pairs, group, n, head_dim)
+
+
+def _score_bound_of_all(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
+    """An upper bound on every |score|: max |q| * max |k| * scale."""
+    def largest_norm(t: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64).amax()
+    return float(largest_norm(q) * largest_norm(k)) * abs(softmax_scale) if q.numel() and k.numel() else 0.0
+
+
+def _score_bound(q_scaled: torch.Tensor, k_norms: torch.Tensor) -> torch.Tensor:
+    """An upper bound on each row's largest score, |q * scale| * max |k| (Cauchy-Schwarz), [b * hkv, rows].
+
+    Used as the softmax shift it needs no pass over the scores, and exp never overflows; only when it is
+    hundreds above the true maximum do the sums underflow, and the caller falls back to the exact maximum.
+    """
+    return q_scaled.norm(dim=-1) * k_norms.amax(dim=-1, keepdim=True)
+
+
+def _exact_row_max(q_scaled: torch.Tensor, keys: torch.Tensor, tiles: list[tuple[int, int]], mask,
+                   seen: torch.Tensor) -> torch.Tensor:
+    """Each row's largest visible score (0 for a row that sees none), by one more pass over the key tiles."""
+    row_max = None
+    for c0, c1 in tiles:
+        scores = torch.bmm(q_scaled, keys[:, c0:c1].transpose(1, 2))
+        mask(scores, c0, c1)
+        tile_max = scores.amax(dim=-1)
+        row_max = tile_max if row_max is None else torch.maximum(row_max, tile_max)
+    return torch.where(seen, row_max, 0.0)
 
 
 class Float64Attention(torch.autograd.Function):

@@ -6,6 +6,7 @@ visible (query, key) pair (QK^T, PV forward; dP, dV, dQ, dK backward).
 
     python benchmarks/bench_reference.py --device cuda --seqs 1024,4096,8192,16384,32768,65536,131072
     python benchmarks/bench_reference.py --device cpu --seqs 256,1024,2048 --heads 4
+    python benchmarks/bench_reference.py --seqs 131072 --budgets-gib 1,4.5   # tile budgets side by side
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from attn_doctor import reference
 from attn_doctor.reference import attention_reference, naive_reference
 
 
@@ -48,6 +50,11 @@ def visible_pairs(seq: int, causal: bool) -> int:
     return seq * (seq + 1) // 2 if causal else seq * seq
 
 
+def tiled(budget_gib: float):
+    """attention_reference with a tile budget of `budget_gib`."""
+    return lambda *args, **kwargs: attention_reference(*args, **kwargs, block_bytes=int(budget_gib * 2**30))
+
+
 def peak_gib(device: str) -> float | None:
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**30
@@ -64,6 +71,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--naive-max", type=int, default=16384, help="largest seq to try the naive formula at")
     parser.add_argument("--matmul-n", type=int, default=8192)
+    parser.add_argument("--budgets-gib", default="", help="comma list of score-tile budgets to compare "
+                        "(default: the reference's own)")
     args = parser.parse_args()
     device = args.device
     fp64 = matmul_rate(device, torch.float64, args.matmul_n)
@@ -75,7 +84,15 @@ def main() -> None:
         shape = (args.batch, seq, args.heads, args.head_dim)
         q, k, v, dout = (torch.randn(shape, generator=g, device=device).to(torch.bfloat16) for _ in range(4))
         flops = 6 * 2 * args.batch * args.heads * args.head_dim * visible_pairs(seq, True)
-        for name, fn in (("blockwise", attention_reference), ("naive", naive_reference)):
+        budgets = [float(b) for b in args.budgets_gib.split(",") if b] or [None]
+        impls = []
+        for budget in budgets:
+            block_bytes = None if budget is None else int(budget * 2**30)
+            plan = reference.plan_tiles(args.batch * args.heads, 1, seq, seq, torch.device(device), block_bytes)
+            label = f"tiled {plan.rows}x{plan.cols}{' kept' if plan.keep else ''}"
+            impls.append((label + (f" ({budget:g} GiB)" if budget is not None else ""),
+                          attention_reference if budget is None else tiled(budget)))
+        for name, fn in impls + [("naive", naive_reference)]:
             if name == "naive" and seq > args.naive_max:
                 continue
             if device.startswith("cuda"):

@@ -50,9 +50,23 @@ REFERENCE_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("block_bytes", [None, 1, 40_000], ids=["one-block", "16-row-blocks", "mid-blocks"])
+TILINGS = {  # block_bytes, widest key tile: each exercises one path of attention_reference
+    "one-tile": (None, None),
+    "kept-key-tiles": (None, 16),  # several key tiles, probabilities kept from forward to backward
+    "kept-head-chunks": (700_000, None),  # kept, and (batch, kv head) pairs taken one chunk at a time
+    "recomputed-16x16-tiles": (1, None),  # the smallest tiles, probabilities recomputed in the backward
+    "recomputed-wide-tiles": (200_000, 32),
+}
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("shape", REFERENCE_SHAPES, ids=lambda s: "b{}-s{}-skv{}-h{}-kv{}-d{}-{}-w{}".format(*s))
-def test_blockwise_reference_matches_naive(shape, block_bytes):
+def test_blockwise_reference_matches_naive(shape, tiling, monkeypatch):
+    from attn_doctor import reference
+
+    block_bytes, widest = TILINGS[tiling]
+    if widest is not None:
+        monkeypatch.setattr(reference, "MAX_TILE_COLS", widest)
     batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, window = shape
     q = _randn(batch, seq_q, heads, head_dim, seed=1)
     k = _randn(batch, seq_kv, kv_heads, head_dim, seed=2)
@@ -70,6 +84,29 @@ def test_blockwise_reference_matches_naive(shape, block_bytes):
     assert _rel(got.lse[finite], want.lse[finite]) < 1e-12
 
 
+@pytest.mark.parametrize("magnitude, path", [(1, "no shift"), (8, "bound as shift"), (30, "exact maximum")])
+def test_reference_softmax_shift_paths(monkeypatch, magnitude, path):
+    """Ordinary scores need no softmax shift; scores in the hundreds are shifted by their Cauchy-Schwarz bound;
+    in the thousands that bound is so far above each row's maximum that the sums would underflow, and the
+    block is redone with the exact maximum. Each path must match the plain formula."""
+    from attn_doctor import reference
+
+    bounds, exact_calls = [], []
+    score_bound, exact_row_max = reference._score_bound, reference._exact_row_max
+    monkeypatch.setattr(reference, "_score_bound", lambda *a: bounds.append(float(score_bound(*a).max()))
+                        or score_bound(*a))
+    monkeypatch.setattr(reference, "_exact_row_max", lambda *a: exact_calls.append(1) or exact_row_max(*a))
+    q, k = (_randn(1, 64, 2, 16, seed=s) * magnitude for s in (20, 21))
+    v, dout = (_randn(1, 64, 2, 16, seed=s) for s in (22, 23))
+    got = attention_reference(q, k, v, dout, causal=True, softmax_scale=0.25, block_bytes=1)
+    want = naive_reference(q, k, v, dout, causal=True, softmax_scale=0.25)
+    took = "exact maximum" if exact_calls else "bound as shift" if bounds else "no shift"
+    assert took == path, "the inputs no longer exercise the path this case is for"
+    for name in TENSORS:
+        assert _rel(getattr(got, name), getattr(want, name)) < 1e-12 * magnitude**2, name
+    torch.testing.assert_close(got.lse, want.lse, rtol=1e-13, atol=0)
+
+
 def test_reference_takes_low_precision_strided_inputs():
     """bf16 views (transposed storage, a head slice) give exactly the reference of their contiguous copies."""
     b, s, h, d = 2, 40, 4, 8
@@ -84,6 +121,31 @@ def test_reference_takes_low_precision_strided_inputs():
     assert got.out.dtype == torch.float64
     for name in TENSORS:
         assert _rel(getattr(got, name), getattr(want, name)) < 1e-12, name
+
+
+@pytest.mark.parametrize("tiling, pairs, rows, cols, keep", [
+    ("one-tile", 2, 100, 100, True), ("kept-key-tiles", 2, 100, 16, True), ("kept-head-chunks", 1, 100, 100, True),
+    ("recomputed-16x16-tiles", 2, 16, 16, False), ("recomputed-wide-tiles", 2, 25, 32, False),
+])
+def test_tilings_take_the_path_they_are_named_for(monkeypatch, tiling, pairs, rows, cols, keep):
+    from attn_doctor import reference
+
+    block_bytes, widest = TILINGS[tiling]
+    if widest is not None:
+        monkeypatch.setattr(reference, "MAX_TILE_COLS", widest)
+    plan = reference.plan_tiles(2, 4, 100, 100, torch.device("cpu"), block_bytes)  # REFERENCE_SHAPES[2]
+    assert (plan.pairs, plan.rows, plan.cols, plan.keep) == (pairs, rows, cols, keep)
+
+
+def test_long_context_plan_on_cuda_keeps_tall_blocks_a_few_heads_at_a_time():
+    """Seq 131072 x 16 heads on CUDA: the default budget keeps 1024 rows of probabilities of 4 heads (4 GiB)."""
+    from attn_doctor.reference import plan_tiles
+
+    plan = plan_tiles(16, 1, 131072, 131072, torch.device("cuda"), None)
+    assert (plan.pairs, plan.rows, plan.cols, plan.keep) == (4, 1024, 8192, True)
+    assert plan.pairs * plan.rows * 131072 * 8 <= 4 << 30
+    short = plan_tiles(32, 1, 4096, 4096, torch.device("cuda"), None)  # the default run's size: all heads at once
+    assert (short.pairs, short.rows, short.keep) == (32, 1024, True)
 
 
 def test_reference_is_not_trivially_zero():
