@@ -319,7 +319,10 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
               help="Continue the sweep in this directory, skipping the points already in its results.jsonl.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory for results.jsonl, results.json and the plot (default: reports/sweep-<stamp>).")
-def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, **grid_flags) -> int:
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
+                   "1 on the CPU; depth sweeps always 1]")
+def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, workers, **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -347,16 +350,20 @@ def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, **grid_f
     if done_points:
         console.print(f"resuming {directory}: {len(points) - len(todo)} of {len(points)} points already done")
     rows = list(done_rows)
-    total_jobs = sum(len(p.jobs(specs)) for p in todo)
-    with Session(device, timeout) as session, Progress(
+    groups = [point.jobs(specs) for point in todo]
+    if workers is None:
+        workers = 2 if device.startswith("cuda") else 1
+    with Session(device, timeout, workers_per_family=workers) as session, Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         console=Console(stderr=True), transient=True,
     ) as progress:
-        task = progress.add_task("sweep", total=total_jobs)
-        for point in todo:
-            progress.update(task, description=f"{point.case.short()} [{point.kind}]")
-            point_rows = session.run(point.jobs(specs), on_row=lambda _row: progress.advance(task))
-            log.append(point, point_rows)
+        task = progress.add_task("sweep", total=sum(len(jobs) for jobs in groups))
+
+        def point_done(index: int, point_rows: list) -> None:
+            log.append(todo[index], point_rows)  # streamed as each point completes, in any order
+            progress.update(task, description=f"{todo[index].case.short()} [{todo[index].kind}] done")
+
+        for point_rows in session.run_groups(groups, on_row=lambda _row: progress.advance(task), on_group=point_done):
             rows.extend(point_rows)
         report = finish_report(rows, device, _command_line(), te_facts=session.te_facts)
     lines = sweeping.depth_lines(rows)

@@ -108,12 +108,17 @@ class Worker:
         why = f"worker {self.family} died {doing} ({describe_exit(code)})"
         return f"{why}: {tail.splitlines()[-1]}" if tail else why
 
+    def ensure_started(self) -> str | None:
+        """Start the process unless it is running; the reason it could not start, or None."""
+        if self._proc is None or self._proc.poll() is not None:
+            return self._start()
+        return None
+
     def request(self, job: dict[str, Any]) -> dict[str, Any]:
         """Send one job and wait for its reply; failures come back as status 'error' replies."""
-        if self._proc is None or self._proc.poll() is not None:
-            reason = self._start()
-            if reason is not None:
-                return {"status": "error", "reason": reason, "detail": self.stderr_tail(20)}
+        reason = self.ensure_started()
+        if reason is not None:
+            return {"status": "error", "reason": reason, "detail": self.stderr_tail(20)}
         self._next_id += 1
         message = {"id": self._next_id, **job}
         try:

@@ -1,7 +1,7 @@
 """One probe: build a case's inputs, run one backend on one layout, and measure it against float64.
 
-This is what a worker process does for each job. Inputs and the reference are cached per case, so every
-backend and layout of the family that uses the same inputs shares one reference computation.
+This is what a worker process does for each job. Inputs and the reference are cached per case; the
+reference is normally the parent's, shared by every family's worker (see `shared_reference`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,11 @@ class ProbeOutcome:
 
 
 class CaseCache:
-    """Inputs and reference of the most recent case (jobs arrive grouped by case)."""
+    """Inputs and reference of the most recent case (jobs arrive grouped by case).
+
+    The reference is the parent's shared one when the job carries a handle (see `shared_reference`), else
+    computed here. `reference_seconds` is what getting it cost this process; `reference_source` says how.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -84,20 +88,39 @@ class CaseCache:
         self._inputs: Inputs | None = None
         self._reference: Reference | None = None
         self.reference_seconds = 0.0
+        self.reference_source = ""
+        self.shared: str | None = None  # the current job's handle to the parent's reference, if any
 
     def get(self, case: Case) -> tuple[Inputs, Reference]:
         if case.key() != self._key:
             self._inputs = self._reference = None  # free the previous case before building the next
             inputs = make_inputs(case, self.device)
             start = time.perf_counter()
-            reference = attention_reference(
-                inputs.q, inputs.k, inputs.v, inputs.dout,
-                causal=case.causal, softmax_scale=case.softmax_scale, window=case.window,
-            )
+            reference = self._open_shared()
+            self.reference_source = "shared" if reference is not None else "computed"
+            if reference is None:
+                reference = attention_reference(
+                    inputs.q, inputs.k, inputs.v, inputs.dout,
+                    causal=case.causal, softmax_scale=case.softmax_scale, window=case.window,
+                )
             synchronize(self.device)
             self.reference_seconds = time.perf_counter() - start
             self._key, self._inputs, self._reference = case.key(), inputs, reference
         return self._inputs, self._reference
+
+    def clear(self) -> None:
+        """Drop the case; a shared reference is released, so the parent can free it."""
+        self._key = self._inputs = self._reference = None
+
+    def _open_shared(self) -> Reference | None:
+        if self.shared is None:
+            return None
+        from attn_doctor.shared_reference import open_reference
+
+        try:
+            return open_reference(self.shared)
+        except Exception:  # noqa: BLE001 - a handle this process cannot open: compute the reference here
+            return None
 
 
 def run_probe(backend: Backend, case: Case, layout: str, cache: CaseCache) -> ProbeOutcome:

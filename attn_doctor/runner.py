@@ -1,12 +1,15 @@
-"""Run a plan of probes (backends x layouts x cases) on worker processes, one worker per backend family.
+"""Run a plan of probes (backends x layouts x cases) on worker processes, per backend family.
 
-Families run concurrently; within a family, jobs go case by case so each worker computes a case's
-inputs and float64 reference once. The local baseline always runs on the contiguous layout, because
-every verdict is relative to it.
+Families run concurrently; within a family, jobs go case by case to its workers (one, unless a sweep asks
+for more). Each case's float64 reference is computed once, here in the parent, and mapped by the workers
+(`shared_reference`). The local baseline always runs on the contiguous layout, because every verdict is
+relative to it.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,6 +43,7 @@ class RunOutcome:
     rows: list[Row]
     te_facts: dict | None = None  # what the TE worker saw of TE in its own process
     startup_seconds: dict[str, float] = field(default_factory=dict)  # per family, all (re)starts
+    reference_seconds: float = 0.0  # computing the shared references in the parent
 
 
 def plan_jobs(cases: list[Case], specs: list[BackendSpec], layouts: list[str]) -> list[Job]:
@@ -121,17 +125,23 @@ def run_jobs(
     """Execute every job and return judged rows in the order of `jobs`."""
     with Session(device, timeout_s) as session:
         rows = session.run(jobs, on_row=on_row)
-        return RunOutcome(rows=rows, te_facts=session.te_facts,
-                          startup_seconds={f: w.startup_seconds for f, w in session.workers.items()})
+        return RunOutcome(rows=rows, te_facts=session.te_facts, startup_seconds=session.startup_seconds,
+                          reference_seconds=session.references.seconds)
 
 
 class Session:
-    """Worker processes kept across groups of jobs (a sweep's grid points), one per backend family."""
+    """Worker processes kept across groups of jobs (a sweep's grid points): `workers_per_family` per backend
+    family. A family's jobs go to its workers one (group, case) at a time, so a worker computes each case's
+    inputs and reference once; families, and the workers of a family, run concurrently."""
 
-    def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int = 1):
+        from attn_doctor.shared_reference import ReferenceStore
+
         self.device = device
         self.timeout_s = timeout_s
-        self.workers: dict[str, Worker] = {}
+        self.workers_per_family = max(1, workers_per_family)
+        self.workers: dict[str, list[Worker]] = {}
+        self.references = ReferenceStore(device)  # one float64 reference per case, shared with the workers
 
     def __enter__(self) -> "Session":
         return self
@@ -140,48 +150,118 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        for worker in self.workers.values():
-            worker.close()
+        for family in self.workers.values():
+            for worker in family:
+                worker.close()
+        self.references.clear()
 
     @property
     def te_facts(self) -> dict | None:
-        worker = self.workers.get("te")
-        return (worker.hello or {}).get("te_facts") if worker and worker.hello else None
+        for worker in self.workers.get("te", []):
+            if worker.hello:
+                return worker.hello.get("te_facts")
+        return None
+
+    @property
+    def startup_seconds(self) -> dict[str, float]:
+        """Per family, the slowest worker's start-up (they start in parallel), restarts included."""
+        return {family: max(w.startup_seconds for w in workers) for family, workers in self.workers.items()}
 
     def run(self, jobs: list[Job], on_row: Callable[[Row], None] | None = None) -> list[Row]:
-        """Execute every job (families concurrently) and return judged rows in the order of `jobs`."""
-        results: dict[int, Row] = {}
-        by_family: dict[str, list[int]] = {}
-        for index, job in enumerate(jobs):
-            reason = _static_skip(job, self.device)
-            if reason is not None:
-                results[index] = Row(job.spec.name, job.spec.family, job.layout, job.case, SKIP, reason=reason,
-                                     options=job.spec.options, coords=job.coords)
-                if on_row:
-                    on_row(results[index])
-            else:
-                by_family.setdefault(job.spec.family, []).append(index)
-        for family in by_family:
-            self.workers.setdefault(family, Worker(family, self.device, self.timeout_s))
+        """Execute every job and return judged rows in the order of `jobs`."""
+        return self.run_groups([jobs], on_row=on_row)[0]
 
-        def serve(family: str) -> None:
-            worker = self.workers[family]
-            for index in by_family[family]:
-                job = jobs[index]
-                reply = worker.request({
-                    "op": "run", "kind": job.kind, "params": job.params, "backend": job.spec.to_dict(),
-                    "case": job.case.to_dict(), "layout": job.layout,
-                })
-                results[index] = _row(job, reply)
-                if on_row:
-                    on_row(results[index])
+    def run_groups(
+        self,
+        groups: list[list[Job]],
+        on_row: Callable[[Row], None] | None = None,
+        on_group: Callable[[int, list[Row]], None] | None = None,
+    ) -> list[list[Row]]:
+        """Execute groups of jobs (each judged on its own, e.g. one sweep point) without waiting for one
+        group to finish before the next starts. `on_group(index, rows)` is called as each group completes;
+        callbacks run one at a time. Returns each group's judged rows, in order."""
+        results: list[dict[int, Row]] = [{} for _ in groups]
+        judged: list[list[Row] | None] = [None] * len(groups)
+        lock = threading.Lock()
+        units: dict[str, list[tuple[int, list[int]]]] = {}  # family -> [(group, job indices)], in order
 
-        # Depth stacks hold tens of GiB each on the GPU: run those one family at a time.
-        parallel = not any(job.kind == "depth" for job in jobs)
-        with ThreadPoolExecutor(max_workers=max(1, len(by_family)) if parallel else 1) as pool:
-            for future in [pool.submit(serve, family) for family in by_family]:
-                future.result()
-        return judge([results[i] for i in range(len(jobs))])
+        def finish(group: int, index: int, row: Row) -> None:
+            with lock:
+                results[group][index] = row
+                if on_row:
+                    on_row(row)
+                if len(results[group]) == len(groups[group]):
+                    judged[group] = judge([results[group][i] for i in range(len(groups[group]))])
+                    if on_group:
+                        on_group(group, judged[group])
+
+        for group, jobs in enumerate(groups):
+            for index, job in enumerate(jobs):
+                reason = _static_skip(job, self.device)
+                if reason is not None:
+                    finish(group, index, Row(job.spec.name, job.spec.family, job.layout, job.case, SKIP,
+                                             reason=reason, options=job.spec.options, coords=job.coords))
+                    continue
+                family_units = units.setdefault(job.spec.family, [])
+                if not family_units or family_units[-1][0] != group:
+                    family_units.append((group, []))
+                family_units[-1][1].append(index)
+                if job.kind != "depth":  # depth probes build their own float64 replica
+                    self.references.expect(job.case, 1)
+
+        # Depth stacks hold tens of GiB each on the GPU: those run one family, one worker at a time.
+        depth = any(job.kind == "depth" for jobs in groups for job in jobs)
+        per_family = 1 if depth else self.workers_per_family
+        for family, family_units in units.items():
+            pool = self.workers.setdefault(family, [])
+            while len(pool) < min(per_family, len(family_units)):
+                pool.append(Worker(family, self.device, self.timeout_s))
+
+        stop = threading.Event()  # set when the caller is interrupted: finish the jobs in flight, start none
+
+        def serve(worker: Worker, todo: queue.Queue) -> None:
+            starting = None  # the worker starts (TE import: seconds) while the parent computes the reference
+            while not stop.is_set():
+                try:
+                    group, indices = todo.get_nowait()
+                except queue.Empty:
+                    return
+                if starting is None:
+                    starting = threading.Thread(target=worker.ensure_started, daemon=True)
+                    starting.start()
+                for index in indices:
+                    if stop.is_set():
+                        return
+                    job = groups[group][index]
+                    message = {"op": "run", "kind": job.kind, "params": job.params, "backend": job.spec.to_dict(),
+                               "case": job.case.to_dict(), "layout": job.layout}
+                    if job.kind != "depth":
+                        message["reference"] = self.references.handle(job.case)
+                    starting.join()
+                    try:
+                        reply = worker.request(message)
+                    finally:
+                        if job.kind != "depth":
+                            self.references.done(job.case)
+                    finish(group, index, _row(job, reply))
+
+        def serve_family(family: str) -> None:
+            todo: queue.Queue = queue.Queue()
+            for unit in units[family]:
+                todo.put(unit)
+            pool = self.workers[family][:per_family]
+            with ThreadPoolExecutor(max_workers=len(pool)) as threads:
+                for future in [threads.submit(serve, worker, todo) for worker in pool]:
+                    future.result()
+
+        with ThreadPoolExecutor(max_workers=1 if depth else max(1, len(units))) as families:
+            try:
+                for future in [families.submit(serve_family, family) for family in units]:
+                    future.result()
+            except BaseException:  # Ctrl-C included
+                stop.set()
+                raise
+        return [rows if rows is not None else [] for rows in judged]
 
 
 def resolve_device(name: str) -> str:
@@ -219,14 +299,15 @@ def diagnose(
 
 def profile(outcome: RunOutcome, probes_s: float, total_s: float) -> dict[str, float]:
     """Where the time went. Families run concurrently, so per-family sums can exceed the wall time."""
-    reference: dict[tuple, float] = {}
+    in_workers: dict[tuple, float] = {}  # opening the shared reference, or computing it where sharing failed
     kernels = compare = 0.0
     for row in outcome.rows:
-        reference[(row.family, row.case.key(), tuple(sorted(row.coords.items())))] = row.seconds.get("reference", 0.0)
+        in_workers[(row.family, row.case.key(), tuple(sorted(row.coords.items())))] = row.seconds.get("reference", 0.0)
         kernels += row.seconds.get("kernel", 0.0)
         compare += row.seconds.get("compare", 0.0)
     seconds = {f"worker start ({family})": s for family, s in outcome.startup_seconds.items()}
-    seconds.update({"reference": sum(reference.values()), "kernels": kernels, "comparison": compare,
+    seconds.update({"reference (once per case)": outcome.reference_seconds,
+                    "reference (in the workers)": sum(in_workers.values()), "kernels": kernels, "comparison": compare,
                     "probes (wall)": probes_s, "env + verdicts": total_s - probes_s, "diagnose (wall)": total_s})
     return seconds
 

@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep", action="store_true", help="also time the 100-case sweep grid")
     parser.add_argument("--sweep-only", action="store_true", help="time only the 100-case sweep grid")
+    parser.add_argument("--no-parts", action="store_true", help="skip the import and CUDA-init baselines")
+    parser.add_argument("--no-per-backend", action="store_true",
+                        help="skip the one-process-per-backend baseline (a few minutes on a GPU)")
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     work = tempfile.mkdtemp(prefix="attn-doctor-bench-")
@@ -51,7 +54,7 @@ def main() -> None:
         "python + import torch + CUDA init": [sys.executable, "-c", "import torch; torch.zeros(1, device='cuda')"],
         "python + import transformer_engine.pytorch": [sys.executable, "-c", "import transformer_engine.pytorch"],
     }
-    for name, cmd in ({} if args.sweep_only else parts).items():
+    for name, cmd in ({} if args.sweep_only or args.no_parts else parts).items():
         median, runs, _ = median_wall(cmd, work, args.repeats, env)
         results[name] = {"median_s": median, "runs": runs}
         print(json.dumps({name: results[name]}), flush=True)
@@ -59,19 +62,21 @@ def main() -> None:
     if args.sweep_only:
         args.sweep = True
     else:
-        time_runs(work, env, args.repeats, results)
+        time_runs(work, env, args.repeats, results, per_backend=not args.no_per_backend)
     if args.sweep:
         time_sweep(work, env, results)
     Path(work, "bench_run.json").write_text(json.dumps(results, indent=2))
     print(f"\nwritten: {work}/bench_run.json")
 
 
-def time_runs(work: str, env: dict, repeats: int, results: dict) -> None:
+def time_runs(work: str, env: dict, repeats: int, results: dict, per_backend: bool = True) -> None:
     median, runs, out = median_wall(CLI + ["run", "--profile", "--json", f"{work}/run.json"], work, repeats, env)
     results["attn-doctor run (default case, all backends x layouts)"] = {"median_s": median, "runs": runs,
                                                                          "profile_of_last": out[-1500:]}
     print(json.dumps({"run": results["attn-doctor run (default case, all backends x layouts)"]}), flush=True)
 
+    if not per_backend:
+        return
     backends = [r["backend"] for r in json.loads(Path(f"{work}/run.json").read_text())["results"]]
     per_backend = []
     for backend in dict.fromkeys(backends):

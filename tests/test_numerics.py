@@ -296,6 +296,45 @@ def test_real_cpu_kernels_all_ran(real_rows):
     assert all("flash" in r.ran.lower() for r in flash)
 
 
+def test_every_probe_measures_against_the_one_shared_reference(real_rows):
+    """Each case's reference is computed once, in the parent, and opened by every worker (not recomputed)."""
+    ran = [row for row in real_rows if row.verdict != SKIP]
+    assert ran and {row.extra.get("reference") for row in ran} == {"shared"}
+
+
+def _run_one_case():
+    from attn_doctor.runner import Session
+
+    with Session("cpu", timeout_s=120) as session:
+        rows = session.run(plan_jobs(REAL_CASES[:1], REAL_SPECS, ["contiguous", "transposed"]))
+        return rows, session.references
+
+
+def test_reference_computed_once_per_case_across_families():
+    rows, store = _run_one_case()
+    assert store.computed == 1 and store.failure is None
+    assert {r.family for r in rows} == {"sdpa", "local"}  # two worker processes, one computation
+    assert all(r.verdict == PASS and r.extra["reference"] == "shared" for r in rows)
+
+
+def test_workers_compute_the_reference_when_sharing_fails(monkeypatch):
+    from attn_doctor import shared_reference
+
+    def no_shared_memory(tensors):
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shared_reference, "export_tensors", no_shared_memory)
+        rows, store = _run_one_case()
+    assert store.failure == "OSError: No space left on device" and store.computed == 0
+    assert all(r.verdict == PASS and r.extra["reference"] == "computed" for r in rows)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shared_reference.ReferenceStore, "handle", lambda self, case: "bm90IGEgcGlja2xl")  # unopenable
+        rows, _ = _run_one_case()
+    assert all(r.verdict == PASS and r.extra["reference"] == "computed" for r in rows)
+
+
 def test_real_cpu_kernels_summary(real_rows):
     faulty = find_faulty(real_rows)
     assert faulty == []

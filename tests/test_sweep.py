@@ -652,6 +652,38 @@ def test_cli_grid_runs_the_cross_product(tmp_path, run_cli):
     assert "sweep summary" in tally and "local 16 0 0 0" in tally
 
 
+def test_two_workers_per_family_run_every_point_once_in_grid_order(tmp_path, run_cli):
+    result, doc = _sweep(run_cli, tmp_path, [
+        "--batch", "2", "--heads", "2", "--head-dim", "8", "--device", "cpu", "--seq", "16,24,32,40,48",
+        "--backend", "sdpa.math", "--kernel", IGNORES_STRIDES, "--layout", "contiguous", "--layout", "transposed",
+        "--workers", "2"])
+    assert result.exit_code == 1, result.output  # the stride-blind kernel fails on transposed views
+    per_point = 5  # the baseline, then two backends on two layouts
+    assert [r["case"]["seq"] for r in doc["results"]] == [s for s in (16, 24, 32, 40, 48) for _ in range(per_point)]
+    failing = {(r["backend"], r["layout"]) for r in doc["results"] if r["verdict"] == "FAIL"}
+    assert failing == {("ignores_strides", "transposed")}
+    records = _jsonl(tmp_path / "sweep" / sweeping.RESULTS_FILE)
+    complete = [r["point"] for r in records if r.get("point_complete")]
+    assert len(complete) == len(set(complete)) == 5 and len(records) == 5 * per_point
+
+
+def test_session_spreads_a_familys_points_over_its_workers():
+    from attn_doctor.backends import BackendSpec
+    from attn_doctor.runner import Session, plan_jobs
+
+    cases = [make_case(batch=1, seq=seq, heads=2, head_dim=8) for seq in (16, 24, 32, 40)]
+    groups = [plan_jobs([case], [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"})], ["contiguous"])
+              for case in cases]
+    finished = []
+    with Session("cpu", workers_per_family=2) as session:
+        rows = session.run_groups(groups, on_group=lambda index, group_rows: finished.append(index))
+        pools = {family: [w.starts for w in workers] for family, workers in session.workers.items()}
+    assert pools == {"local": [1, 1], "sdpa": [1, 1]}
+    assert sorted(finished) == [0, 1, 2, 3]
+    assert [[r.case.seq for r in group] for group in rows] == [[s, s] for s in (16, 24, 32, 40)]
+    assert all(r.verdict == "PASS" for group in rows for r in group)
+
+
 @pytest.fixture(scope="module")
 def window_sweep(tmp_path_factory, run_cli):
     """Sliding windows and cross-attention through SDPA and the baseline (and a user kernel)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The commands that produced the H200 evidence in this folder, run on the lent H200 from the project root
 # after ../shared/device/stage-te.sh installed TE 2.20.2 (PYTHONPATH=$PWD, python3 = the machine's 3.12).
-# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep)
+# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep | bench-3 | shared-reference)
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COLUMNS=170
@@ -30,6 +30,17 @@ bench)
   step bench-reference python3 benchmarks/bench_reference.py --device cuda \
        --seqs 1024,4096,8192,16384,32768,65536,131072 --repeats 3
   step bench-run python3 benchmarks/bench_run.py --repeats 2
+  ;;
+bench-3)  # the last lease: the third reference, the worker pool (benchmarks/RESULTS.md)
+  step bench-reference-3 python3 benchmarks/bench_reference.py --device cuda --seqs 8192,65536,131072 \
+       --repeats 3 --naive-max 8192
+  step bench-run-2 python3 benchmarks/bench_run.py --repeats 2 --no-parts --no-per-backend --sweep
+  step bench-tile-cols python3 benchmarks/bench_tile_cols.py
+  ;;
+shared-reference)  # benchmarks/h200/shared-reference: the parent's reference mapped by the workers (no TE)
+  step run-shared $A run --backend sdpa --backend local --profile --json "$out/run-shared.json"
+  step sweep-shared $A sweep --seq 512,1024,2048 --head-dim 64,128 --backend sdpa --backend local \
+       --out "$out/sweep-shared"
   ;;
 bench-sweep)
   step bench-sweep python3 benchmarks/bench_run.py --repeats 1 --sweep-only
