@@ -36,6 +36,7 @@ bench-3)  # the last lease: the third reference, the worker pool (benchmarks/RES
        --repeats 3 --naive-max 8192
   step bench-run-2 python3 benchmarks/bench_run.py --repeats 2 --no-parts --no-per-backend --sweep
   step bench-tile-cols python3 benchmarks/bench_tile_cols.py
+  step check-reference-cuda python3 benchmarks/check_reference_cuda.py
   ;;
 shared-reference)  # benchmarks/h200/shared-reference: the parent's reference mapped by the workers (no TE)
   step run-shared $A run --backend sdpa --backend local --profile --json "$out/run-shared.json"
