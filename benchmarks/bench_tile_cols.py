@@ -2,27 +2,48 @@
 
 Run on the H200 as `PYTHONPATH=$PWD python3 benchmarks/bench_tile_cols.py` (output: h200/bench-tile-cols.txt).
 The float64 matmul ceiling is measured first in the same process: median of 5 8192^3 matmuls. FLOPs count
-what the causal mask leaves: 6 matmuls of 2*h*d per visible (query, key) pair.
+what the causal mask leaves: 6 matmuls of 2*h*d per visible (query, key) pair. Timing and ceiling helpers
+are bench_reference.py's.
 """
-import time, statistics, json, torch
-from attn_doctor import reference as m
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.float64); torch.matmul(a, a)
-ts = []
-for _ in range(5):
-    torch.cuda.synchronize(); t = time.perf_counter(); torch.matmul(a, a); torch.cuda.synchronize(); ts.append(time.perf_counter() - t)
-fp64 = 2 * 8192**3 / statistics.median(ts); del a
-seq = 131072
-g = torch.Generator(device="cuda").manual_seed(0)
-q, k, v, do = (torch.randn(1, seq, 16, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(4))
-for cols in (4096, 8192, 4096):
-    m.MAX_TILE_COLS = cols
-    torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-    m.attention_reference(q, k, v, do, causal=True, softmax_scale=128**-0.5)
-    times = []
-    for _ in range(2):
-        torch.cuda.synchronize(); t = time.perf_counter()
-        m.attention_reference(q, k, v, do, causal=True, softmax_scale=128**-0.5)
-        torch.cuda.synchronize(); times.append(time.perf_counter() - t)
-    med = statistics.median(times); flops = 12 * 16 * 128 * seq * (seq + 1) // 2
-    print(json.dumps({"cols": cols, "s": round(med, 3), "frac": round(flops / med / fp64, 4), "fp64_tflops": round(fp64 / 1e12, 1),
-                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch
+from bench_reference import matmul_rate, timed, visible_pairs
+
+from attn_doctor import reference
+
+
+def main(device: str = "cuda", seq: int = 131072, heads: int = 16, head_dim: int = 128, matmul_n: int = 8192,
+         widths: tuple[int, ...] = (4096, 8192, 4096)) -> None:
+    fp64 = matmul_rate(device, torch.float64, matmul_n)
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, seq, heads, head_dim, generator=generator, device=device).to(torch.bfloat16)
+                     for _ in range(4))
+    flops = 6 * 2 * heads * head_dim * visible_pairs(seq, True)
+    saved = reference.MAX_TILE_COLS
+    try:
+        for cols in widths:
+            reference.MAX_TILE_COLS = cols
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+
+            def call() -> None:
+                reference.attention_reference(q, k, v, dout, causal=True, softmax_scale=head_dim**-0.5)
+
+            call()  # warm-up
+            median = statistics.median(timed(call, device, 2))
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+            print(json.dumps({"cols": cols, "s": round(median, 3), "frac": round(flops / median / fp64, 4),
+                              "fp64_tflops": round(fp64 / 1e12, 1),
+                              "peak_gib": round(peak, 2) if peak is not None else None}), flush=True)
+    finally:
+        reference.MAX_TILE_COLS = saved
+
+
+if __name__ == "__main__":
+    main()
