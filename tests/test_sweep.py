@@ -749,6 +749,7 @@ BAD_FLAGS = {
     "kv-heads-not-dividing": ["--heads", "4", "--kv-heads", "4,3"],
     "seq-kv-zero": ["--seq-kv", "16,0"],
     "seq-empty-list": ["--seq", ","],
+    "workers-zero": ["--workers", "0"],
 }
 
 
