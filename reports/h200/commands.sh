@@ -38,7 +38,7 @@ bench-3)  # the last lease: the third reference, the worker pool (benchmarks/RES
   step bench-tile-cols python3 benchmarks/bench_tile_cols.py
   step check-reference-cuda python3 benchmarks/check_reference_cuda.py
   ;;
-shared-reference)  # benchmarks/h200/shared-reference: the parent's reference mapped by the workers (no TE)
+shared-reference)  # reports/h200/shared-reference: the parent's reference mapped by the workers (no TE)
   step run-shared $A run --backend sdpa --backend local --profile --json "$out/run-shared.json"
   step sweep-shared $A sweep --seq 512,1024,2048 --head-dim 64,128 --backend sdpa --backend local \
        --out "$out/sweep-shared"
