@@ -96,9 +96,11 @@ class CaseCache:
             self._inputs = self._reference = None  # free the previous case before building the next
             inputs = make_inputs(case, self.device)
             start = time.perf_counter()
-            reference = self._open_shared()
-            self.reference_source = "shared" if reference is not None else "computed"
-            if reference is None:
+            shared = open_shared(self.shared)
+            self.reference_source = "shared" if shared is not None else "computed"
+            if shared is not None:
+                reference = Reference(*shared)
+            else:
                 reference = attention_reference(
                     inputs.q, inputs.k, inputs.v, inputs.dout,
                     causal=case.causal, softmax_scale=case.softmax_scale, window=case.window,
@@ -112,15 +114,18 @@ class CaseCache:
         """Drop the case; a shared reference is released, so the parent can free it."""
         self._key = self._inputs = self._reference = None
 
-    def _open_shared(self) -> Reference | None:
-        if self.shared is None:
-            return None
-        from attn_doctor.shared_reference import open_reference
 
-        try:
-            return open_reference(self.shared)
-        except Exception:  # noqa: BLE001 - a handle this process cannot open: compute the reference here
-            return None
+def open_shared(payload: str | None) -> tuple[torch.Tensor, ...] | None:
+    """The parent's tensors behind a job's handle, or None: no handle, or one this process cannot open
+    (the caller then computes the reference itself)."""
+    if payload is None:
+        return None
+    from attn_doctor.shared_reference import open_tensors
+
+    try:
+        return open_tensors(payload)
+    except Exception:  # noqa: BLE001 - whatever the reason, computing the reference here is the way out
+        return None
 
 
 def run_probe(backend: Backend, case: Case, layout: str, cache: CaseCache) -> ProbeOutcome:
@@ -228,7 +233,8 @@ class BackendAttention:
 
 
 class DepthCache:
-    """Per (case, layers): the float64 replica's and the local baseline's dQ at every layer."""
+    """Per (case, layers): the float64 replica's dQ at every layer (the parent's shared copy when the job
+    carries a handle, else computed here) and the local baseline's, computed here."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -236,24 +242,32 @@ class DepthCache:
         self.reference: list[torch.Tensor] = []
         self.baseline: list[torch.Tensor] = []
         self.reference_seconds = 0.0
+        self.reference_source = ""
+        self.shared: str | None = None
 
     def get(self, case: Case, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from attn_doctor.backends import BASELINE, BackendSpec, build
-        from attn_doctor.stack import float64_attention, make_stack, run_stack
+        from attn_doctor.stack import float64_replica_dqs, make_stack, run_stack
 
         key = (case.key(), layers)
         if key != self._key:
             self.reference = self.baseline = []
-            stack = make_stack(case, layers, self.device, TORCH_DTYPES[case.dtype])
             start = time.perf_counter()
-            self.reference = run_stack(stack.to(torch.float64), case, float64_attention(case))
+            shared = open_shared(self.shared)
+            self.reference_source = "shared" if shared is not None else "computed"
+            model_dtype = TORCH_DTYPES[case.dtype]
+            self.reference = list(shared) if shared is not None else float64_replica_dqs(case, layers, self.device, model_dtype)
             synchronize(self.device)
             self.reference_seconds = time.perf_counter() - start
             local = build(BackendSpec(BASELINE, "local"))
-            self.baseline = run_stack(stack, case, BackendAttention(local, case))
+            self.baseline = run_stack(make_stack(case, layers, self.device, model_dtype), case, BackendAttention(local, case))
             self._key = key
             release_cached_memory(self.device)
         return self.reference, self.baseline
+
+    def clear(self) -> None:
+        self._key = None
+        self.reference = self.baseline = []
 
 
 def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: DepthCache) -> ProbeOutcome:

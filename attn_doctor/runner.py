@@ -1,9 +1,10 @@
 """Run a plan of probes (backends x layouts x cases) on worker processes, per backend family.
 
 Families run concurrently; within a family, jobs go case by case to its workers (one, unless a sweep asks
-for more). Each case's float64 reference is computed once, here in the parent, and mapped by the workers
-(`shared_reference`). The local baseline always runs on the contiguous layout, because every verdict is
-relative to it.
+for more). Depth stacks are too large for that: a depth run takes one depth at a time, the families in
+turn. Each case's float64 reference (a depth stack's too) is computed once, here in the parent, and mapped
+by the workers (`shared_reference`). The local baseline always runs on the contiguous layout, because every
+verdict is relative to it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class Job:
     @property
     def coords(self) -> dict:
         return {"probe": self.kind, **self.params} if self.kind != "layout" else {}
+
+    @property
+    def reference_layers(self) -> int | None:
+        """Which reference the job is measured against: its case's attention (None) or an L-layer stack's."""
+        return self.params["layers"] if self.kind == "depth" else None
 
 
 @dataclass
@@ -206,8 +212,7 @@ class Session:
                 if not family_units or family_units[-1][0] != group:
                     family_units.append((group, []))
                 family_units[-1][1].append(index)
-                if job.kind != "depth":  # depth probes build their own float64 replica
-                    self.references.expect(job.case, 1)
+                self.references.expect(job.case, job.reference_layers)
 
         # Depth stacks hold tens of GiB each on the GPU: those run one family, one worker at a time.
         depth = any(job.kind == "depth" for jobs in groups for job in jobs)
@@ -219,30 +224,31 @@ class Session:
 
         stop = threading.Event()  # set when the caller is interrupted: finish the jobs in flight, start none
 
-        def serve(worker: Worker, todo: queue.Queue) -> None:
-            starting = None  # the worker starts (TE import: seconds) while the parent computes the reference
+        def start(worker: Worker) -> threading.Thread:
+            # The worker starts (TE import: seconds) while the parent computes the reference.
+            thread = threading.Thread(target=worker.ensure_started, daemon=True)
+            thread.start()
+            return thread
+
+        def serve(worker: Worker, todo: queue.Queue, starting: threading.Thread | None = None) -> None:
             while not stop.is_set():
                 try:
                     group, indices = todo.get_nowait()
                 except queue.Empty:
                     return
-                if starting is None:
-                    starting = threading.Thread(target=worker.ensure_started, daemon=True)
-                    starting.start()
+                starting = starting or start(worker)
                 for index in indices:
                     if stop.is_set():
                         return
                     job = groups[group][index]
                     message = {"op": "run", "kind": job.kind, "params": job.params, "backend": job.spec.to_dict(),
-                               "case": job.case.to_dict(), "layout": job.layout}
-                    if job.kind != "depth":
-                        message["reference"] = self.references.handle(job.case)
+                               "case": job.case.to_dict(), "layout": job.layout,
+                               "reference": self.references.handle(job.case, job.reference_layers)}
                     starting.join()
                     try:
                         reply = worker.request(message)
                     finally:
-                        if job.kind != "depth":
-                            self.references.done(job.case)
+                        self.references.done(job.case, job.reference_layers)
                     finish(group, index, _row(job, reply))
 
         def serve_family(family: str) -> None:
@@ -254,14 +260,35 @@ class Session:
                 for future in [threads.submit(serve, worker, todo) for worker in pool]:
                     future.result()
 
-        with ThreadPoolExecutor(max_workers=1 if depth else max(1, len(units))) as families:
+        def serve_depth() -> None:
+            # One stack reference at a time: every family measures a depth before the next depth is built.
+            starting = {family: start(self.workers[family][0]) for family in units}
+            for family, unit in _depth_steps(groups, units):
+                todo: queue.Queue = queue.Queue()
+                todo.put(unit)
+                serve(self.workers[family][0], todo, starting[family])
+
+        with ThreadPoolExecutor(max_workers=max(1, len(units))) as families:
             try:
-                for future in [families.submit(serve_family, family) for family in units]:
+                futures = [families.submit(serve_depth)] if depth else [families.submit(serve_family, f) for f in units]
+                for future in futures:
                     future.result()
             except BaseException:  # Ctrl-C included
                 stop.set()
                 raise
         return [rows if rows is not None else [] for rows in judged]
+
+
+def _depth_steps(groups: list[list[Job]], units: dict[str, list[tuple[int, list[int]]]]) -> list[tuple[str, tuple[int, list[int]]]]:
+    """A depth run's order: per group and depth, each family's jobs at that depth, families in turn."""
+    steps = []
+    for group, jobs in enumerate(groups):
+        for layers in dict.fromkeys(job.reference_layers for job in jobs):
+            for family, family_units in units.items():
+                indices = [i for g, unit in family_units if g == group for i in unit if jobs[i].reference_layers == layers]
+                if indices:
+                    steps.append((family, (group, indices)))
+    return steps
 
 
 def resolve_device(name: str) -> str:

@@ -2,7 +2,8 @@
 
 The parent process computes a case's reference once and gives each worker a handle to those very tensors
 instead of letting every backend family's worker recompute it: CUDA IPC on a GPU, a shared-memory file on
-the CPU. torch's own tensor pickling (what torch.multiprocessing sends through its queues) makes the
+the CPU. A case's reference is its attention's (out, dQ, dK, dV, LSE) or, for a depth probe, the dQ at
+every layer of the case's L-layer stack run in float64 (keyed by the case and L). torch's own tensor pickling (what torch.multiprocessing sends through its queues) makes the
 handle; it travels base64-encoded in the job's JSON. The parent keeps the tensors alive until the last job
 of the case has finished. Where sharing fails, the handle is None and the worker computes the reference
 itself, as it would without a parent.
@@ -19,7 +20,6 @@ import time
 import torch
 
 from attn_doctor.case import Case
-from attn_doctor.reference import Reference
 
 
 class ReferenceStore:
@@ -33,60 +33,77 @@ class ReferenceStore:
         self._lock = threading.Lock()
         self._entries: dict[tuple, _Entry] = {}
 
-    def expect(self, case: Case, jobs: int) -> None:
-        """`jobs` more jobs will ask for this case's reference."""
+    def expect(self, case: Case, layers: int | None = None) -> None:
+        """One more job will ask for this reference (the attention's; with `layers`, the depth stack's)."""
         with self._lock:
-            self._entries.setdefault(case.key(), _Entry()).pending += jobs
+            self._entries.setdefault((case.key(), layers), _Entry()).pending += 1
 
-    def handle(self, case: Case) -> str | None:
-        """The case's shared reference (computed now if it is the first request), or None."""
+    def handle(self, case: Case, layers: int | None = None) -> str | None:
+        """The shared reference (computed now if this is its first request), or None."""
         with self._lock:
-            entry = self._entries.setdefault(case.key(), _Entry())
-        with entry.lock:  # one computation per case; other cases proceed in parallel
+            entry = self._entries.setdefault((case.key(), layers), _Entry())
+        with entry.lock:  # one computation per reference; other references proceed in parallel
             if not entry.ready:
-                entry.payload, entry.tensors = self._share(case)
+                entry.payload, entry.tensors = self._share(case, layers)
                 entry.ready = True
             return entry.payload
 
-    def done(self, case: Case) -> None:
-        """One job of this case finished; the last one frees the reference."""
+    def done(self, case: Case, layers: int | None = None) -> None:
+        """One job using this reference finished; the last one frees it."""
+        key = (case.key(), layers)
         with self._lock:
-            entry = self._entries.get(case.key())
+            entry = self._entries.get(key)
             if entry is None:
                 return
             entry.pending -= 1
             if entry.pending > 0:
                 return
-            del self._entries[case.key()]
+            del self._entries[key]
         entry.tensors = None
-        if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()  # give the memory back for the workers
+        self._release_cached_memory()
 
     def clear(self) -> None:
         """Forget every case (the session is over; workers have exited)."""
         with self._lock:
             self._entries.clear()
 
-    def _share(self, case: Case) -> tuple[str | None, tuple | None]:
-        from attn_doctor.probe import make_inputs, synchronize
-        from attn_doctor.reference import attention_reference
-
+    def _share(self, case: Case, layers: int | None) -> tuple[str | None, tuple | None]:
         try:
-            device = torch.device(self.device)
             start = time.perf_counter()
-            inputs = make_inputs(case, device)
-            reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,
-                                            softmax_scale=case.softmax_scale, window=case.window)
-            synchronize(device)
-            tensors = (reference.out, reference.dq, reference.dk, reference.dv, reference.lse)
+            tensors = self._compute(case, layers)
             payload = export_tensors(tensors)
         except Exception as exc:  # noqa: BLE001 - out of memory, no shared memory: the workers compute it
             self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             return None, None
+        finally:
+            self._release_cached_memory()  # the computation's scratch (a deep stack's: tens of GiB)
         with self._lock:
             self.seconds += time.perf_counter() - start
             self.computed += 1
         return payload, tensors
+
+    def _compute(self, case: Case, layers: int | None) -> tuple[torch.Tensor, ...]:
+        from attn_doctor.probe import TORCH_DTYPES, make_inputs, synchronize
+        from attn_doctor.reference import attention_reference
+        from attn_doctor.stack import float64_replica_dqs
+
+        device = torch.device(self.device)
+        if layers is not None:
+            tensors = tuple(float64_replica_dqs(case, layers, device, TORCH_DTYPES[case.dtype]))
+        else:
+            inputs = make_inputs(case, device)
+            reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,
+                                            softmax_scale=case.softmax_scale, window=case.window)
+            tensors = (reference.out, reference.dq, reference.dk, reference.dv, reference.lse)
+        synchronize(device)
+        return tensors
+
+    def _release_cached_memory(self) -> None:
+        """Give free memory back for the workers, also references that workers have stopped mapping (CUDA
+        IPC keeps a sent block alive until its consumers release it; ipc_collect frees the released ones)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
 
 
 class _Entry:
@@ -111,9 +128,8 @@ def export_tensors(tensors: tuple) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def open_reference(payload: str) -> Reference:
+def open_tensors(payload: str) -> tuple[torch.Tensor, ...]:
     """Worker side: the parent's reference tensors, mapped (not copied) into this process."""
     import torch.multiprocessing.reductions  # noqa: F401 - registers how shared tensors are rebuilt
 
-    out, dq, dk, dv, lse = pickle.loads(base64.b64decode(payload))
-    return Reference(out=out, dq=dq, dk=dk, dv=dv, lse=lse)
+    return pickle.loads(base64.b64decode(payload))

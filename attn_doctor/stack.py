@@ -132,6 +132,12 @@ def _store(dqs: list, index: int, shard: int, tp: int):
     return hook
 
 
+def float64_replica_dqs(case: Case, layers: int, device: torch.device, model_dtype: torch.dtype) -> list[torch.Tensor]:
+    """dQ at every layer of the stack's float64 replica (the model's weights, upcast): the depth reference."""
+    stack = make_stack(case, layers, device, model_dtype)
+    return run_stack(stack.to(torch.float64), case, float64_attention(case))
+
+
 def float64_attention(case: Case) -> Attention:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = Float64Attention.apply(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), case.causal,

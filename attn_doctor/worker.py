@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
         request = json.loads(line)
         if request.get("op") == "quit":
             cache.clear()  # release the parent's shared tensors before exiting, not during interpreter teardown
+            depth_cache.clear()
             return 0
         job_id = request["id"]
         spec = BackendSpec.from_dict(request["backend"])
@@ -81,15 +82,16 @@ def main(argv: list[str]) -> int:
                 backends[spec.name] = build(spec)
             case = Case.from_dict(request["case"])
             backend, kind, params = backends[spec.name], request.get("kind", "layout"), request.get("params", {})
-            cache.shared = request.get("reference")
+            cache.shared = depth_cache.shared = request.get("reference")
             if kind == "depth":
                 outcome = run_depth_probe(backend, case, params["layers"], params.get("tp", 1), depth_cache)
             elif kind == "tp":
                 outcome = run_tp_probe(backend, case, params["tp"], params["shards_as"], cache)
             else:
                 outcome = run_probe(backend, case, request["layout"], cache)
-            if kind != "depth" and outcome.status == "ok":
-                outcome.extra["reference"] = cache.reference_source
+            if outcome.status == "ok":
+                source = depth_cache if kind == "depth" else cache
+                outcome.extra["reference"] = source.reference_source
             reply({"id": job_id, **outcome.to_dict()})
         except Exception as exc:  # noqa: BLE001 - a failing kernel is an ERROR row, never a dead tool
             fatal = _is_cuda_fault(exc)

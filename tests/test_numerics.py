@@ -330,7 +330,7 @@ def test_workers_compute_the_reference_when_sharing_fails(monkeypatch):
     assert all(r.verdict == PASS and r.extra["reference"] == "computed" for r in rows)
 
     with monkeypatch.context() as patch:
-        patch.setattr(shared_reference.ReferenceStore, "handle", lambda self, case: "bm90IGEgcGlja2xl")  # unopenable
+        patch.setattr(shared_reference.ReferenceStore, "handle", lambda self, case, layers=None: "bm90IGEgcGlja2xl")  # unopenable
         rows, _ = _run_one_case()
     assert all(r.verdict == PASS and r.extra["reference"] == "computed" for r in rows)
 

@@ -227,6 +227,33 @@ def test_correct_kernels_pass_at_every_depth(correct_depth):
     assert all(f.first_failing_depth is None and f.depths == CORRECT_DEPTHS for f in findings)
 
 
+def test_depth_reference_built_once_per_depth_and_shared(correct_depth):
+    """Each depth's float64 stack is run once, in the parent, and mapped by all three families' workers."""
+    _, doc, _ = correct_depth
+    assert {r["extra"]["reference"] for r in doc["results"]} == {"shared"}
+    assert {r["family"] for r in doc["results"]} == {"local", "sdpa", "kernel"}
+
+
+def test_depth_runs_one_depth_at_a_time_and_computes_each_stack_once():
+    from attn_doctor.backends import BackendSpec
+    from attn_doctor.runner import Session, _depth_steps, plan_depth_jobs
+
+    case = make_case(batch=1, seq=16, heads=2, head_dim=8, dtype="bf16", mask="causal", seed=3)
+    jobs = plan_depth_jobs(case, [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"}),
+                                  BackendSpec("local", "local")], [1, 3], [1, 2])
+    units = {family: [(0, [i for i, job in enumerate(jobs) if job.spec.family == family])] for family in ("local", "sdpa")}
+    steps = [(family, [(jobs[i].reference_layers, jobs[i].params["tp"]) for i in unit[1]])
+             for family, unit in _depth_steps([jobs], units)]
+    assert steps == [("local", [(1, 1), (1, 2)]), ("sdpa", [(1, 1), (1, 2)]),
+                     ("local", [(3, 1), (3, 2)]), ("sdpa", [(3, 1), (3, 2)])]
+
+    with Session("cpu", timeout_s=120) as session:
+        rows = session.run(jobs)
+        assert session.references.computed == 2 and session.references.failure is None
+    assert all(row.verdict == "PASS" and row.extra["reference"] == "shared" for row in rows), \
+        [(row.backend, row.coords, row.verdict, row.reason) for row in rows]
+
+
 def test_depth_plot_is_a_png(correct_depth):
     _, doc, directory = correct_depth
     plot = directory / sweeping.PLOT_FILE

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The commands that produced the H200 evidence in this folder, run on the lent H200 from the project root
 # after ../shared/device/stage-te.sh installed TE 2.20.2 (PYTHONPATH=$PWD, python3 = the machine's 3.12).
-# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep | bench-3 | shared-reference)
+# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep | bench-3 | shared-reference | bench-4)
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COLUMNS=170
@@ -45,5 +45,14 @@ shared-reference)  # reports/h200/shared-reference: the parent's reference mappe
   ;;
 bench-sweep)
   step bench-sweep python3 benchmarks/bench_run.py --repeats 1 --sweep-only
+  ;;
+bench-4)  # the final lease: re-timed with one shared reference per case (benchmarks/RESULTS.md)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$out/gpu-clocks.txt"
+  step bench-reference-4 python3 benchmarks/bench_reference.py --device cuda --seqs 8192,65536,131072 \
+       --repeats 3 --naive-max 8192
+  step bench-run-3 python3 benchmarks/bench_run.py --repeats 3 --no-per-backend --sweep
+  cp "$(ls -td /tmp/attn-doctor-bench-*/ | head -1)bench_run.json" "$out/bench-run-3.json"
+  step bench-tile-cols-2 python3 benchmarks/bench_tile_cols.py
+  step check-reference-cuda-2 python3 benchmarks/check_reference_cuda.py
   ;;
 esac
