@@ -89,17 +89,16 @@ class CaseCache:
         self._reference: Reference | None = None
         self.reference_seconds = 0.0
         self.reference_source = ""
-        self.shared: str | None = None  # the current job's handle to the parent's reference, if any
+        self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's reference, mapped, if the job had one
 
     def get(self, case: Case) -> tuple[Inputs, Reference]:
         if case.key() != self._key:
             self._inputs = self._reference = None  # free the previous case before building the next
             inputs = make_inputs(case, self.device)
             start = time.perf_counter()
-            shared = open_shared(self.shared)
-            self.reference_source = "shared" if shared is not None else "computed"
-            if shared is not None:
-                reference = Reference(*shared)
+            self.reference_source = "shared" if self.shared is not None else "computed"
+            if self.shared is not None:
+                reference = Reference(*self.shared)
             else:
                 reference = attention_reference(
                     inputs.q, inputs.k, inputs.v, inputs.dout,
@@ -113,19 +112,6 @@ class CaseCache:
     def clear(self) -> None:
         """Drop the case; a shared reference is released, so the parent can free it."""
         self._key = self._inputs = self._reference = None
-
-
-def open_shared(payload: str | None) -> tuple[torch.Tensor, ...] | None:
-    """The parent's tensors behind a job's handle, or None: no handle, or one this process cannot open
-    (the caller then computes the reference itself)."""
-    if payload is None:
-        return None
-    from attn_doctor.shared_reference import open_tensors
-
-    try:
-        return open_tensors(payload)
-    except Exception:  # noqa: BLE001 - whatever the reason, computing the reference here is the way out
-        return None
 
 
 def run_probe(backend: Backend, case: Case, layout: str, cache: CaseCache) -> ProbeOutcome:
@@ -243,7 +229,7 @@ class DepthCache:
         self.baseline: list[torch.Tensor] = []
         self.reference_seconds = 0.0
         self.reference_source = ""
-        self.shared: str | None = None
+        self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's per-layer dQ, mapped, if any
 
     def get(self, case: Case, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from attn_doctor.backends import BASELINE, BackendSpec, build
@@ -253,10 +239,12 @@ class DepthCache:
         if key != self._key:
             self.reference = self.baseline = []
             start = time.perf_counter()
-            shared = open_shared(self.shared)
-            self.reference_source = "shared" if shared is not None else "computed"
+            self.reference_source = "shared" if self.shared is not None else "computed"
             model_dtype = TORCH_DTYPES[case.dtype]
-            self.reference = list(shared) if shared is not None else float64_replica_dqs(case, layers, self.device, model_dtype)
+            if self.shared is not None:
+                self.reference = list(self.shared)
+            else:
+                self.reference = float64_replica_dqs(case, layers, self.device, model_dtype)
             synchronize(self.device)
             self.reference_seconds = time.perf_counter() - start
             local = build(BackendSpec(BASELINE, "local"))

@@ -3,10 +3,14 @@
 The parent process computes a case's reference once and gives each worker a handle to those very tensors
 instead of letting every backend family's worker recompute it: CUDA IPC on a GPU, a shared-memory file on
 the CPU. A case's reference is its attention's (out, dQ, dK, dV, LSE) or, for a depth probe, the dQ at
-every layer of the case's L-layer stack run in float64 (keyed by the case and L). torch's own tensor pickling (what torch.multiprocessing sends through its queues) makes the
-handle; it travels base64-encoded in the job's JSON. The parent keeps the tensors alive until the last job
-of the case has finished. Where sharing fails, the handle is None and the worker computes the reference
-itself, as it would without a parent.
+every layer of the case's L-layer stack run in float64 (keyed by the case and L).
+
+torch's own tensor pickling (what torch.multiprocessing sends through its queues) makes the handle; it
+travels base64-encoded in the job's JSON. A CUDA handle carries a reference count that its one receiver
+gives back when it frees what it opened: so every job gets a handle of its own, and the worker opens every
+handle it receives, also when it already has the case (torch then gives the count back at once). The parent
+keeps the tensors alive until the last job of the case has finished. Where sharing fails, the handle is
+None and the worker computes the reference itself, as it would without a parent.
 """
 
 from __future__ import annotations
@@ -39,14 +43,21 @@ class ReferenceStore:
             self._entries.setdefault((case.key(), layers), _Entry()).pending += 1
 
     def handle(self, case: Case, layers: int | None = None) -> str | None:
-        """The shared reference (computed now if this is its first request), or None."""
+        """A new handle, for one job, to the shared reference (computed now if this is its first request);
+        None where the reference could not be computed or shared here."""
         with self._lock:
             entry = self._entries.setdefault((case.key(), layers), _Entry())
         with entry.lock:  # one computation per reference; other references proceed in parallel
             if not entry.ready:
-                entry.payload, entry.tensors = self._share(case, layers)
+                entry.tensors = self._compute_timed(case, layers)
                 entry.ready = True
-            return entry.payload
+            if entry.tensors is None:
+                return None
+            try:
+                return export_tensors(entry.tensors)
+            except Exception as exc:  # noqa: BLE001 - no shared memory, no IPC: this job's worker computes it
+                self.failure = _describe(exc)
+                return None
 
     def done(self, case: Case, layers: int | None = None) -> None:
         """One job using this reference finished; the last one frees it."""
@@ -67,20 +78,19 @@ class ReferenceStore:
         with self._lock:
             self._entries.clear()
 
-    def _share(self, case: Case, layers: int | None) -> tuple[str | None, tuple | None]:
+    def _compute_timed(self, case: Case, layers: int | None) -> tuple[torch.Tensor, ...] | None:
         try:
             start = time.perf_counter()
             tensors = self._compute(case, layers)
-            payload = export_tensors(tensors)
-        except Exception as exc:  # noqa: BLE001 - out of memory, no shared memory: the workers compute it
-            self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            return None, None
+        except Exception as exc:  # noqa: BLE001 - out of memory here, say: the workers compute it
+            self.failure = _describe(exc)
+            return None
         finally:
             self._release_cached_memory()  # the computation's scratch (a deep stack's: tens of GiB)
         with self._lock:
             self.seconds += time.perf_counter() - start
             self.computed += 1
-        return payload, tensors
+        return tensors
 
     def _compute(self, case: Case, layers: int | None) -> tuple[torch.Tensor, ...]:
         from attn_doctor.probe import TORCH_DTYPES, make_inputs, synchronize
@@ -111,8 +121,12 @@ class _Entry:
         self.lock = threading.Lock()
         self.pending = 0
         self.ready = False
-        self.payload: str | None = None
         self.tensors: tuple | None = None
+
+
+def _describe(exc: Exception) -> str:
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
 
 
 def export_tensors(tensors: tuple) -> str:
@@ -128,8 +142,14 @@ def export_tensors(tensors: tuple) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def open_tensors(payload: str) -> tuple[torch.Tensor, ...]:
-    """Worker side: the parent's reference tensors, mapped (not copied) into this process."""
+def open_tensors(payload: str | None) -> tuple[torch.Tensor, ...] | None:
+    """Worker side: the parent's reference tensors, mapped (not copied) into this process; None without a
+    handle or with one this process cannot open (the worker then computes the reference itself)."""
+    if payload is None:
+        return None
     import torch.multiprocessing.reductions  # noqa: F401 - registers how shared tensors are rebuilt
 
-    return pickle.loads(base64.b64decode(payload))
+    try:
+        return pickle.loads(base64.b64decode(payload))
+    except Exception:  # noqa: BLE001 - whatever the reason, computing the reference here is the way out
+        return None

@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
     from attn_doctor.backends import BackendSpec, build
     from attn_doctor.case import Case
     from attn_doctor.probe import CaseCache, DepthCache, run_depth_probe, run_probe, run_tp_probe
+    from attn_doctor.shared_reference import open_tensors
 
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is not None:
@@ -74,6 +75,9 @@ def main(argv: list[str]) -> int:
             return 0
         job_id = request["id"]
         spec = BackendSpec.from_dict(request["backend"])
+        # Opened whatever the job turns out to need: a handle's reference count comes back only when what
+        # it opened is freed (see shared_reference). The caches keep what they use; the rest is freed after the job.
+        cache.shared = depth_cache.shared = open_tensors(request.get("reference"))
         try:
             if "import_error" in hello:
                 reply({"id": job_id, "status": "skip", "reason": f"transformer_engine not importable: {hello['import_error']}"})
@@ -82,7 +86,6 @@ def main(argv: list[str]) -> int:
                 backends[spec.name] = build(spec)
             case = Case.from_dict(request["case"])
             backend, kind, params = backends[spec.name], request.get("kind", "layout"), request.get("params", {})
-            cache.shared = depth_cache.shared = request.get("reference")
             if kind == "depth":
                 outcome = run_depth_probe(backend, case, params["layers"], params.get("tp", 1), depth_cache)
             elif kind == "tp":
@@ -104,6 +107,8 @@ def main(argv: list[str]) -> int:
             })
             if fatal:
                 return 3
+        finally:
+            cache.shared = depth_cache.shared = None
     return 0
 
 

@@ -1,0 +1,53 @@
+"""Sharing references through CUDA IPC gives every byte back (needs a GPU; skipped without one).
+
+A CUDA handle that torch pickles carries one reference count, which the process that opens it gives back
+when it frees what it opened. A handle opened by two workers, or by none, leaves the parent's block in
+torch's limbo for good: the memory is never freed and the parent warns "Producer process has been
+terminated before all shared CUDA tensors released" as it exits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_doctor.backends import resolve
+from attn_doctor.case import make_case
+from attn_doctor.runner import Session, plan_depth_jobs, plan_jobs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
+
+REPO = Path(__file__).resolve().parent.parent
+LEAK_WARNING = "Producer process has been terminated before all shared CUDA tensors released"
+
+
+def test_parent_frees_every_shared_reference():
+    cases = [make_case(batch=2, seq=256, heads=4, head_dim=64, dtype="bf16", mask="causal", seed=seed)
+             for seed in range(3)]
+    specs = resolve(["sdpa", "local"])
+    groups = [plan_jobs([case], specs, ["contiguous", "transposed"]) for case in cases]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with Session("cuda", timeout_s=300, workers_per_family=2) as session:
+        rows = [row for group in session.run_groups(groups) for row in group]
+        depth_rows = session.run(plan_depth_jobs(cases[0], specs, [2], [1]))
+    torch.cuda.ipc_collect()
+    assert session.references.computed == len(cases) + 1
+    ran = [row for row in rows + depth_rows if row.verdict != "SKIP"]
+    assert ran and {row.extra["reference"] for row in ran} == {"shared"}
+    assert all(row.verdict == "PASS" for row in ran), [(r.backend, r.layout, r.verdict, r.reason) for r in ran]
+    assert torch.cuda.memory_allocated() == before  # nothing left in the limbo of blocks still counted as mapped
+
+
+def test_run_exits_without_the_leak_warning(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "attn_doctor", "run", "--backend", "sdpa", "--backend", "local", "--seq", "512",
+         "--json", str(tmp_path / "run.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert LEAK_WARNING not in proc.stdout + proc.stderr
