@@ -26,8 +26,11 @@ LEAK_WARNING = "Producer process has been terminated before all shared CUDA tens
 
 
 def test_parent_frees_every_shared_reference():
-    cases = [make_case(batch=2, seq=256, heads=4, head_dim=64, dtype="bf16", mask="causal", seed=seed)
+    # 512 MiB of float64 reference per case, so a leak of even one case stands out from what the parent
+    # keeps for itself (cuBLAS keeps a 32 MiB workspace per thread that ran a matmul: 4 serving threads here).
+    cases = [make_case(batch=4, seq=2048, heads=16, head_dim=128, dtype="bf16", mask="causal", seed=seed)
              for seed in range(3)]
+    reference_bytes = 4 * 4 * 2048 * 16 * 128 * 8
     specs = resolve(["sdpa", "local"])
     groups = [plan_jobs([case], specs, ["contiguous", "transposed"]) for case in cases]
     torch.cuda.synchronize()
@@ -40,7 +43,8 @@ def test_parent_frees_every_shared_reference():
     ran = [row for row in rows + depth_rows if row.verdict != "SKIP"]
     assert ran and {row.extra["reference"] for row in ran} == {"shared"}
     assert all(row.verdict == "PASS" for row in ran), [(r.backend, r.layout, r.verdict, r.reason) for r in ran]
-    assert torch.cuda.memory_allocated() == before  # nothing left in the limbo of blocks still counted as mapped
+    left = torch.cuda.memory_allocated() - before
+    assert left < reference_bytes / 2, f"{left / 2**20:.0f} MiB still allocated in the parent"
 
 
 def test_run_exits_without_the_leak_warning(tmp_path):
