@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Repro: te.fused on b2 s2 h1 d8 fp16 none layout=transposed
 
-Made by attn-doctor 0.1.0 (attn-doctor bisect --from /tmp/h200/run-default/results.json --json /tmp/h200/bisect/bisect.json --out /tmp/h200/bisect).
+Made by attn-doctor 0.1.0 (attn-doctor bisect --from /tmp/o/runs/run-default/results.json --json /tmp/o/runs/bisect/bisect.json --out /tmp/o/runs/bisect).
 Environment it was made on:
   Python: 3.12.3 (CPython)
   platform: Linux-6.18.44-fc-v973-gpu-x86_64-with-glibc2.39
