@@ -138,7 +138,7 @@ def run_jobs(
 class Session:
     """Worker processes kept across groups of jobs (a sweep's grid points): `workers_per_family` per backend
     family. A family's jobs go to its workers one (group, case) at a time, so a worker builds each case's
-    inputs and opens its shared reference once; families, and the workers of a family, run concurrently."""
+    inputs and maps its shared reference once; families, and the workers of a family, run concurrently."""
 
     def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int = 1):
         from attn_doctor.shared_reference import ReferenceStore
