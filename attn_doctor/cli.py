@@ -345,6 +345,7 @@ def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, workers,
                        "or choose another --out")
     done_rows, done_points = log.load()
     points = sweeping.plan_points(cases, list(layouts or LAYOUTS), depths, degrees)
+    sweeping.check_resumable(directory, done_rows, points, specs)
     todo = [p for p in points if p.id not in done_points]
     console = _console()
     if done_points:

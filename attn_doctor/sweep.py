@@ -73,6 +73,19 @@ def plan_points(cases: list[Case], layouts: list[str], depths: list[int] | None,
     return [Point(c, "layout", layouts=tuple(layouts)) for c in cases]
 
 
+def check_resumable(directory: Path, done_rows: list[Row], points: list[Point], specs: list[BackendSpec]) -> None:
+    """Refuse to resume a sweep with other backends: its finished points would be skipped without the new
+    backends ever running on them, and the report would mix two backend sets."""
+    if not done_rows or not points:
+        return
+    ran = sorted({row.backend for row in done_rows})
+    asked = sorted({job.spec.name for job in points[0].jobs(specs)})
+    if ran != asked:
+        raise BadInput(f"--resume {directory}: that sweep ran {', '.join(ran)}, this command asks for "
+                       f"{', '.join(asked)}; resume with the same --backend/--kernel options, or start a new "
+                       "sweep with --out")
+
+
 class ResultsLog:
     """results.jsonl: rows appended point by point, each line flushed to disk before the next point runs."""
 

@@ -575,6 +575,15 @@ def test_resume_and_out_disagree_exits_2(layout_sweep, tmp_path, run_cli):
     one_line_error(result)
 
 
+def test_resume_with_other_backends_exits_2_and_keeps_the_log(layout_sweep, tmp_path, run_cli):
+    directory = _copy(layout_sweep, tmp_path)
+    before = (directory / sweeping.RESULTS_FILE).read_bytes()
+    other = [flag if flag != "sdpa.math" else "sdpa.efficient" for flag in RESUME_FLAGS]
+    line = one_line_error(_resume(run_cli, directory, other))
+    assert "that sweep ran local, sdpa.math, this command asks for local, sdpa.efficient" in line
+    assert (directory / sweeping.RESULTS_FILE).read_bytes() == before
+
+
 GARBAGE = {
     "not-json": b"this is not json\n",
     "json-list": b"[1, 2]\n",
