@@ -50,6 +50,7 @@ import traceback
 from pathlib import Path
 
 from attn_doctor import distributed as grid
+from attn_doctor.errors import first_line
 
 TENSORS = grid.TENSORS
 
@@ -76,11 +77,6 @@ class Progress:
     def probe(self, index: int) -> None:
         self.state.update(probe=index, probe_t0=time.time(), stage="starting the probe", collective=False)
         self.write()
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def _redirect_output(folder: str, rank: int) -> None:
@@ -193,7 +189,7 @@ def guarded(fn):
     except Unsupported as exc:
         return None, {"status": "skip", "reason": str(exc)}
     except Exception as exc:  # noqa: BLE001 - a kernel's failure on one rank becomes that rank's error
-        return None, {"status": "error", "reason": _first_line(exc), "detail": traceback.format_exc(limit=8)}
+        return None, {"status": "error", "reason": first_line(exc), "detail": traceback.format_exc(limit=8)}
 
 
 # -- sequence and head reshuffles over the CP group (bshd tensors: [batch, seq, heads, dim]) ---------
@@ -584,7 +580,7 @@ class Prober:
         try:
             return self.analyse(spec, backend, case, inputs, gathered, rans, method, kernel_s)
         except Exception as exc:  # noqa: BLE001 - rank 0's own analysis failing is this probe's error
-            return {"status": "error", "reason": f"rank 0 failed comparing the shards: {_first_line(exc)}",
+            return {"status": "error", "reason": f"rank 0 failed comparing the shards: {first_line(exc)}",
                     "detail": traceback.format_exc(limit=8)}
 
     def analyse(self, spec, backend, case, inputs, gathered, rans, method, kernel_s) -> dict:
@@ -632,7 +628,7 @@ class Prober:
             except Unsupported as exc:
                 notes[f"{label}_skipped"] = str(exc)
             except Exception as exc:  # noqa: BLE001 - reported beside the distributed result
-                notes[f"{label}_error"] = _first_line(exc)
+                notes[f"{label}_error"] = first_line(exc)
         synchronize(ctx.device)
         single_s = time.perf_counter() - start
 
@@ -728,7 +724,7 @@ def main(argv: list[str]) -> int:
     try:
         return record(run)(job, progress)
     except BaseException as exc:
-        progress.state["error"] = _first_line(exc)
+        progress.state["error"] = first_line(exc)
         progress.write()  # keeps "collective": whether it failed waiting on a peer or on its own
         raise
 

@@ -24,6 +24,7 @@ import time
 import torch
 
 from attn_doctor.case import Case
+from attn_doctor.errors import first_line
 
 
 class ReferenceStore:
@@ -56,7 +57,7 @@ class ReferenceStore:
             try:
                 return export_tensors(entry.tensors)
             except Exception as exc:  # noqa: BLE001 - no shared memory, no IPC: this job's worker computes it
-                self.failure = _describe(exc)
+                self.failure = first_line(exc)
                 return None
 
     def done(self, case: Case, layers: int | None = None) -> None:
@@ -83,7 +84,7 @@ class ReferenceStore:
             start = time.perf_counter()
             tensors = self._compute(case, layers)
         except Exception as exc:  # noqa: BLE001 - out of memory here, say: the workers compute it
-            self.failure = _describe(exc)
+            self.failure = first_line(exc)
             return None
         finally:
             self._release_cached_memory()  # the computation's scratch (a deep stack's: tens of GiB)
@@ -122,11 +123,6 @@ class _Entry:
         self.pending = 0
         self.ready = False
         self.tensors: tuple | None = None
-
-
-def _describe(exc: Exception) -> str:
-    message = str(exc).strip()
-    return f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
 
 
 def export_tensors(tensors: tuple) -> str:

@@ -18,6 +18,8 @@ import re
 import sys
 import warnings
 
+from attn_doctor.errors import first_line
+
 PROBE_KEYS = ("te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "error")
 
 _CORE_RE = re.compile(r"^transformer-engine-cu\d+$")
@@ -69,13 +71,6 @@ def decode_cudnn_version(encoded: int) -> str:
     major, rest = divmod(int(encoded), magnitude)
     minor, patch = divmod(rest, 100)
     return f"{major}.{minor}.{patch}"
-
-
-def first_line(exc: BaseException) -> str:
-    """``"TypeName: first line of the message"``."""
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 def probe_loaded_te() -> dict:

@@ -13,6 +13,8 @@ import os
 import sys
 import traceback
 
+from attn_doctor.errors import first_line
+
 
 def _protocol_stream():
     stream = os.fdopen(os.dup(1), "w", buffering=1)
@@ -24,11 +26,6 @@ def _protocol_stream():
 def _is_cuda_fault(exc: BaseException) -> bool:
     text = f"{type(exc).__name__}: {exc}"
     return any(s in text for s in ("CUDA error", "AcceleratorError", "illegal memory access", "CUBLAS_STATUS", "cudaError"))
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +44,7 @@ def main(argv: list[str]) -> int:
 
             load_te()
         except Exception as exc:  # noqa: BLE001 - any import failure becomes the rows' SKIP reason
-            hello["import_error"] = _first_line(exc)
+            hello["import_error"] = first_line(exc)
         from attn_doctor.te_probe import probe_loaded_te
 
         hello["te_facts"] = probe_loaded_te()
@@ -101,7 +98,7 @@ def main(argv: list[str]) -> int:
             reply({
                 "id": job_id,
                 "status": "error",
-                "reason": _first_line(exc),
+                "reason": first_line(exc),
                 "detail": traceback.format_exc(limit=8),
                 "fatal": fatal,
             })
