@@ -23,7 +23,6 @@ from attn_doctor.results import Row, write_atomic_bytes
 from attn_doctor.runner import Job, plan_depth_jobs, plan_jobs, plan_tp_jobs
 
 RESULTS_FILE = "results.jsonl"
-META_FILE = "sweep.json"
 PLOT_FILE = "depth.png"
 GRID_FIELDS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "window", "seed")
 
@@ -86,6 +85,35 @@ def check_resumable(directory: Path, done_rows: list[Row], points: list[Point], 
                        "sweep with --out")
 
 
+@dataclass
+class Record:
+    """One line of results.jsonl: a row of a point, the last of the point's lines marked complete."""
+
+    line: bytes  # as written, without its newline
+    point: str
+    complete: bool
+    row: Row
+
+
+def read_records(path: Path, hint: str, skip_blank: bool = False) -> tuple[list[Record], bool]:
+    """Every whole line of a results.jsonl, and whether the last line was torn (cut off mid-write: the sweep
+    was killed while writing it). A line that is not a sweep record is bad input naming the file, the line
+    and `hint` (what to do about it)."""
+    lines = path.read_bytes().split(b"\n")
+    torn = lines.pop() != b""  # b"" when the file ends with a newline
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if skip_blank and not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+            records.append(Record(line, record["point"], bool(record.get("point_complete")), Row.from_dict(record)))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+                BadInput) as exc:
+            raise BadInput(f"{path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); {hint}") from None
+    return records, torn
+
+
 class ResultsLog:
     """results.jsonl: rows appended point by point, each line flushed to disk before the next point runs."""
 
@@ -98,26 +126,15 @@ class ResultsLog:
         killed while writing it, possibly mid-line) are dropped from the file, so its rerun is the only copy."""
         if not self.path.exists():
             return [], set()
-        data = self.path.read_bytes()
-        by_point: dict[str, list[tuple[bytes, Row]]] = {}
-        complete: list[str] = []
-        lines = data.split(b"\n")
-        torn = lines.pop()  # b"" when the file ends with a newline, else a line cut off mid-write
-        for number, line in enumerate(lines, start=1):
-            try:
-                record = json.loads(line.decode("utf-8"))
-                by_point.setdefault(record["point"], []).append((line, Row.from_dict(record)))
-                if record.get("point_complete"):
-                    complete.append(record["point"])
-            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
-                    BadInput) as exc:
-                raise BadInput(f"{self.path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); "
-                               "move the file away to start over") from None
-        unfinished = set(by_point) - set(complete)
-        if unfinished or torn:
-            kept = b"".join(line + b"\n" for point in complete for line, _ in by_point[point])
+        records, torn = read_records(self.path, "move the file away to start over")
+        by_point: dict[str, list[Record]] = {}
+        for record in records:
+            by_point.setdefault(record.point, []).append(record)
+        complete = [record.point for record in records if record.complete]
+        if set(by_point) - set(complete) or torn:
+            kept = b"".join(record.line + b"\n" for point in complete for record in by_point[point])
             write_atomic_bytes(self.path, kept)
-        rows = [row for point in complete for _, row in by_point[point]]
+        rows = [record.row for point in complete for record in by_point[point]]
         return rows, set(complete)
 
     def append(self, point: Point, rows: list[Row]) -> None:

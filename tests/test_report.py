@@ -588,9 +588,20 @@ def _bad_format(tmp_path, doc):
     return [DATA, "--format", "pdf"], "--format"
 
 
-@pytest.mark.parametrize("case", [_bad_missing, _bad_truncated, _bad_foreign, _bad_empty_dir, _bad_format],
+def _bad_jsonl_list(tmp_path, doc):
+    (tmp_path / "list.jsonl").write_bytes(b"[1, 2]\n")
+    return [tmp_path / "list.jsonl"], "list.jsonl:1 is not an attn-doctor sweep record"
+
+
+def _bad_jsonl_utf8(tmp_path, doc):
+    (tmp_path / "bytes.jsonl").write_bytes(b"\xff\xfe garbage\n")
+    return [tmp_path / "bytes.jsonl"], "bytes.jsonl:1 is not an attn-doctor sweep record"
+
+
+@pytest.mark.parametrize("case", [_bad_missing, _bad_truncated, _bad_foreign, _bad_empty_dir, _bad_format,
+                                  _bad_jsonl_list, _bad_jsonl_utf8],
                          ids=["missing-file", "truncated-json", "foreign-json", "dir-without-results",
-                              "unknown-format"])
+                              "unknown-format", "jsonl-list", "jsonl-invalid-utf8"])
 def test_bad_input_exits_2_with_one_line(case, tmp_path, doc, run_cli):
     args, needle = case(tmp_path, doc)
     result = run_cli(["report", *args])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,20 +45,10 @@ def load_results(path: Path) -> ReportData:
 
 def _from_jsonl(path: Path) -> RunReport:
     from attn_doctor.diagnosis import find_faulty, summarize
+    from attn_doctor.sweep import read_records
 
-    rows = []
-    text = path.read_text()
-    lines = text.splitlines()
-    if lines and not text.endswith("\n"):
-        lines = lines[:-1]  # a torn last line: the sweep was killed while writing it
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(Row.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, BadInput) as exc:
-            raise BadInput(f"{path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); "
-                           "the file may be truncated or foreign") from None
+    records, _torn = read_records(path, "the file may be truncated or foreign", skip_blank=True)
+    rows = [record.row for record in records]  # unfinished points too: this is what the sweep got to
     if not rows:
         raise BadInput(f"{path} holds no results yet")
     faulty = find_faulty(rows)
