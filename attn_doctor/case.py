@@ -106,6 +106,13 @@ class Case:
         return " ".join(flags)
 
 
+def tp_unsupported(case: Case, tp: int) -> str | None:
+    """Why the heads cannot be split into `tp` tensor-parallel shards (a SKIP reason), or None."""
+    if case.heads % tp or case.num_kv_heads % tp:
+        return f"TP={tp} needs heads ({case.heads}) and kv heads ({case.num_kv_heads}) divisible by {tp}"
+    return None
+
+
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadInput(f"{name} must be a whole number, got {value!r}")

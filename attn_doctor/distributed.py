@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_doctor.backends import BASELINE, BackendSpec, te_installed
-from attn_doctor.case import Case
+from attn_doctor.case import Case, tp_unsupported
 from attn_doctor.errors import BadInput
 from attn_doctor.metrics import TensorMetrics
 from attn_doctor.pool import PACKAGE_PARENT, describe_exit
@@ -102,8 +102,9 @@ def validate_grid(nproc: int, tp: int, cp: int, cp_comm_type: str | None, device
 def case_unsupported(spec: BackendSpec, case: Case, tp: int, cp: int, cp_comm_type: str | None,
                      device: str) -> str | None:
     """Why this (backend, case) cannot run on the grid, known before launching: a SKIP reason."""
-    if case.heads % tp or case.num_kv_heads % tp:
-        return f"TP={tp} needs heads ({case.heads}) and kv heads ({case.num_kv_heads}) divisible by {tp}"
+    why_not = tp_unsupported(case, tp)
+    if why_not:
+        return why_not
     if cp > 1:
         if case.seq_k != case.seq:
             return f"CP={cp} splits one sequence for q, k and v: it needs self-attention (seq_kv == seq)"

@@ -14,7 +14,7 @@ import torch
 
 from attn_doctor import layouts
 from attn_doctor.backends import Backend, Unsupported
-from attn_doctor.case import Case
+from attn_doctor.case import Case, tp_unsupported
 from attn_doctor.metrics import TensorMetrics, compare
 from attn_doctor.reference import Reference, attention_reference
 
@@ -158,22 +158,24 @@ def _grads(backend: Backend, q, k, v, dout, case: Case):
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
+def _shard(case: Case, tp: int) -> Case:
+    """The case one of `tp` head shards sees."""
+    return dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
+
+
 def run_tp_probe(backend: Backend, case: Case, tp: int, shards_as: str, cache: CaseCache) -> ProbeOutcome:
     """Split the heads into `tp` shards as Megatron's tensor parallelism does; run each as its own call
     (`shards_as` "views": head slices of the full tensors; "copies": contiguous copies), join the shards'
     outputs and gradients, and measure them against float64 and against the unsharded (TP=1) run."""
     device = cache.device
-    if case.heads % tp or case.num_kv_heads % tp:
-        return ProbeOutcome("skip", reason=f"TP={tp} needs heads ({case.heads}) and kv heads "
-                                           f"({case.num_kv_heads}) divisible by {tp}")
-    why_not = backend.unsupported(case, device)
+    why_not = tp_unsupported(case, tp) or backend.unsupported(case, device)
     if why_not:
         return ProbeOutcome("skip", reason=why_not)
     inputs, reference = cache.get(case)
     fmt = backend.qkv_format
     full = layouts.build("contiguous", inputs.q, inputs.k, inputs.v, fmt)
     dout = layouts.to_format(inputs.dout, fmt).contiguous()
-    shard_case = dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
+    shard_case = _shard(case, tp)
     hq, hkv = shard_case.heads, shard_case.num_kv_heads
     start = time.perf_counter()
     try:
@@ -264,16 +266,16 @@ def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: D
     from attn_doctor.stack import make_stack, run_stack
 
     device = cache.device
-    if case.heads % tp or case.num_kv_heads % tp:
-        return ProbeOutcome("skip", reason=f"TP={tp} needs heads ({case.heads}) and kv heads "
-                                           f"({case.num_kv_heads}) divisible by {tp}")
+    why_not = tp_unsupported(case, tp)
+    if why_not:
+        return ProbeOutcome("skip", reason=why_not)
     if case.seq_k != case.seq:
         return ProbeOutcome("skip", reason="the depth stack is self-attention: it needs seq_kv == seq")
     why_not = backend.unsupported(case, device)
     if why_not:
         return ProbeOutcome("skip", reason=why_not)
     reference, baseline = cache.get(case, layers)
-    shard_case = dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
+    shard_case = _shard(case, tp)
     stack = make_stack(case, layers, device, TORCH_DTYPES[case.dtype])
     start = time.perf_counter()
     attention = BackendAttention(backend, shard_case)
