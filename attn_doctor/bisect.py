@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from attn_doctor.case import DTYPES, Case, make_case
+from attn_doctor.case import DTYPES, Case, tp_unsupported
 from attn_doctor.errors import BadInput
 from attn_doctor.layouts import layout_unsupported
 
@@ -141,11 +141,11 @@ class Bisector:
                 break
         if first.verdict == "ERROR":
             self._start_error = _error_class(first.reason)
-        if first.verdict not in ("FAIL", "ERROR"):
-            self.steps.append(Step("start", "", start.describe(), first.verdict, False, first.reason[:200]))
+        failing = first.verdict in ("FAIL", "ERROR")
+        self.steps.append(Step("start", "", start.describe(), first.verdict, failing, first.reason[:200]))
+        if not failing:
             raise NothingToBisect(f"the starting case does not fail ({first.verdict}): {start.describe()}")
         self._cache[start] = (True, first)
-        self.steps.append(Step("start", "", start.describe(), first.verdict, True, first.reason[:200]))
         necessary: list[Condition] = []
         config = self._categorical(start, necessary)
         config = self._integers(config, necessary)
@@ -207,7 +207,7 @@ class Bisector:
             if len(values) < 2:
                 continue
             candidates = [v for v in values if self.valid(_with_int(config, knob, v))]
-            current = _int_value(config, knob)
+            current = _value(config, knob)
             if current not in candidates:
                 continue
             candidates = [v for v in candidates if v <= current]
@@ -246,21 +246,14 @@ def _apply(config: Config, knob: str, candidate: Config) -> Config | None:
         if knob in ("layout", "tp", "layers"):
             return dataclasses.replace(config, **{knob: value})
         fields = config.case.to_dict()
-        fields[knob] = tuple(value) if isinstance(value, list) else value
+        fields[knob] = value
         if knob == "kv_heads":
             fields["kv_heads"] = fields["heads"]
         if knob == "seq_kv":
             fields["seq_kv"] = fields["seq"]
-        return dataclasses.replace(config, case=make_case(**_fields(fields)))
+        return dataclasses.replace(config, case=Case.from_dict(fields))
     except BadInput:
         return None
-
-
-def _fields(d: dict) -> dict:
-    d = dict(d)
-    if d.get("window") is not None:
-        d["window"] = tuple(d["window"])
-    return d
 
 
 def _categorical_moves(config: Config) -> list[tuple[str, str, Config]]:
@@ -270,8 +263,7 @@ def _categorical_moves(config: Config) -> list[tuple[str, str, Config]]:
 
     def add(knob: str, tried: str, **case_changes) -> None:
         try:
-            fields = _fields({**case.to_dict(), **case_changes})
-            moves.append((knob, tried, dataclasses.replace(config, case=make_case(**fields))))
+            moves.append((knob, tried, dataclasses.replace(config, case=Case.from_dict({**case.to_dict(), **case_changes}))))
         except BadInput:
             pass
 
@@ -295,14 +287,10 @@ def _categorical_moves(config: Config) -> list[tuple[str, str, Config]]:
     return moves
 
 
-def _int_value(config: Config, knob: str) -> int:
-    return config.layers if knob == "layers" else getattr(config.case, knob)
-
-
 def _integer_values(config: Config, knob: str) -> list[int]:
     """The values a knob may take, smallest first, respecting what the case allows."""
     case = config.case
-    current = _int_value(config, knob)
+    current = _value(config, knob)
     if knob == "layers":
         return list(range(1, current + 1)) if current > 1 else []
     if knob == "seq_kv" and case.seq_k == case.seq:
@@ -321,7 +309,7 @@ def _with_int(config: Config, knob: str, value: int) -> Config:
     if knob == "layers":
         return dataclasses.replace(config, layers=value)
     case = config.case
-    fields = _fields(case.to_dict())
+    fields = case.to_dict()
     if knob == "heads":
         group = case.heads // case.num_kv_heads
         fields["heads"], fields["kv_heads"] = value, value // group
@@ -332,11 +320,11 @@ def _with_int(config: Config, knob: str, value: int) -> Config:
             fields["seq_kv"] = value
     else:
         fields[knob] = value
-    return dataclasses.replace(config, case=make_case(**fields))
+    return dataclasses.replace(config, case=Case.from_dict(fields))
 
 
 def valid_config(config: Config) -> bool:
     case = config.case
     if layout_unsupported(config.layout, case.seq, case.seq_k, case.heads, case.num_kv_heads):
         return False
-    return case.heads % config.tp == 0 and case.num_kv_heads % config.tp == 0
+    return tp_unsupported(case, config.tp) is None

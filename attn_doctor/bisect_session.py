@@ -6,24 +6,20 @@ from attn_doctor.backends import BASELINE, BackendSpec
 from attn_doctor.bisect import BisectResult, Config, Outcome, Probe
 from attn_doctor.diagnosis import BASELINE_LAYOUT
 from attn_doctor.results import Row
-from attn_doctor.runner import DEPTH_LAYOUT, Job, Session
+from attn_doctor.runner import Job, Session, plan_depth_jobs, plan_jobs
 from attn_doctor.verdict import MULTIPLE
 
 
 def config_jobs(config: Config, spec: BackendSpec) -> list[Job]:
     """The baseline job the verdict needs, then the job that probes `spec` at `config` (last)."""
-    baseline = BackendSpec(BASELINE, "local")
     case = config.case
     if config.layers:
-        return [Job(baseline, case, DEPTH_LAYOUT, "depth", {"layers": config.layers, "tp": 1}),
-                Job(spec, case, DEPTH_LAYOUT, "depth", {"layers": config.layers, "tp": config.tp})]
-    jobs = [Job(baseline, case, BASELINE_LAYOUT)]
+        return plan_depth_jobs(case, [spec], [config.layers], [config.tp])
     if config.tp > 1:
         shards_as = "views" if config.layout == "head_slice" else "copies"
-        jobs.append(Job(spec, case, config.layout, "tp", {"tp": config.tp, "shards_as": shards_as}))
-    elif not (spec.name == BASELINE and config.layout == BASELINE_LAYOUT):
-        jobs.append(Job(spec, case, config.layout))
-    return jobs
+        return [Job(BackendSpec(BASELINE, "local"), case, BASELINE_LAYOUT),
+                Job(spec, case, config.layout, "tp", {"tp": config.tp, "shards_as": shards_as})]
+    return plan_jobs([case], [spec], [config.layout])
 
 
 def probe_row(session: Session, spec: BackendSpec, config: Config) -> Row:
@@ -42,16 +38,18 @@ def depth_diagnosis(session: Session, spec: BackendSpec, result: BisectResult) -
     """Where the fault first shows: the forward or the backward, and for a depth failure the first layer
     (in backward order, from the deepest) whose dQ leaves the baseline's band."""
     minimal = result.minimal
-    single = probe_row(session, spec, Config(minimal.case, minimal.layout if not minimal.layers else "contiguous",
-                                             minimal.tp if not minimal.layers else 1))
-    failing = single.failing_tensors
+    if minimal.layers:  # the stack's minimal case, as one call
+        single = probe_row(session, spec, Config(minimal.case, "contiguous", 1))
+        single_verdict, failing = single.verdict, single.failing_tensors
+    else:  # the minimal case is one call already, and the bisector probed it
+        single_verdict, failing = result.minimal_outcome.verdict, list(result.minimal_outcome.tensors)
     if "out" in failing:
         first_wrong = "forward (out is already wrong)"
     elif failing:
         first_wrong = f"backward (out is right; {', '.join(failing)} wrong)"
     else:
         first_wrong = "neither in one call: the fault shows only through the stack"
-    diagnosis = {"first_wrong": first_wrong, "single_call_verdict": single.verdict}
+    diagnosis = {"first_wrong": first_wrong, "single_call_verdict": single_verdict}
     if minimal.layers:
         errors = result.minimal_outcome.extra.get("dq_rel_err_by_layer", [])
         baseline = result.minimal_outcome.extra.get("baseline_dq_rel_err_by_layer", [])

@@ -262,10 +262,10 @@ if __name__ == "__main__":
 
 def _env_lines(env: EnvReport | None) -> str:
     if env is None:
-        return "#   (not recorded)"
+        return "  (not recorded)"
     from attn_doctor.render.env_view import env_rows
 
-    return "\n".join(f"#   {label}: {value}" for label, value in env_rows(env) if label != "env vars")
+    return "\n".join(f"  {label}: {value}" for label, value in env_rows(env) if label != "env vars")
 
 
 def short_id(config: Config, backend: str) -> str:
@@ -281,19 +281,20 @@ def write_repro(directory: Path, backend: str, family: str, options: dict, confi
     multiple = max(MULTIPLE.values())
     floor = FLOOR_EPS[config.case.dtype] * EPS[config.case.dtype]
     text = HEADER.format(title=f"{backend} on {config.describe()}", version=version, command=command.replace('"', "'"),
-                         env=_env_lines(env).replace("#   ", "  "), multiple=multiple, case=repr(case),
+                         env=_env_lines(env), multiple=multiple, case=repr(case),
                          layout=config.layout, tp=config.tp, floor=floor)
     text += INPUTS
     if family == "te":
-        flags = {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
-        flags[{"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}[
-            options["path"]]] = "1"
+        from attn_doctor.backends.te import FLAGS
+
+        flags = {flag: "1" if path == options["path"] else "0" for path, flag in FLAGS.items()}
         sub = (f'os.environ["NVTE_FUSED_ATTN_BACKEND"] = "{options["sub_backend"]}"'
                if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)')
         text += KERNELS["te"].format(path=options["path"], flags=repr(flags), sub_backend=sub)
     elif family == "sdpa":
-        enum = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                "cudnn": "CUDNN_ATTENTION"}[options["kernel"]]
+        from attn_doctor.backends.sdpa import KERNELS as SDPA_KERNELS
+
+        enum = SDPA_KERNELS[options["kernel"]].name
         text += KERNELS["sdpa"].format(kernel=options["kernel"], enum=enum)
     elif family == "kernel":
         text += KERNELS["kernel"].format(target=options["target"], func=options["func"])
