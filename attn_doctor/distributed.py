@@ -38,14 +38,13 @@ from attn_doctor.backends import BASELINE, BackendSpec, te_installed
 from attn_doctor.case import Case, tp_unsupported
 from attn_doctor.errors import BadInput
 from attn_doctor.metrics import TensorMetrics
-from attn_doctor.pool import PACKAGE_PARENT, describe_exit
+from attn_doctor.pool import STARTUP_TIMEOUT_S, child_env, describe_exit
 from attn_doctor.results import Row
 from attn_doctor.verdict import ERROR, FAIL, PASS, SKIP, TensorVerdict, judge_tensor
 
 COMM_TYPES = ("all_gather", "p2p", "a2a")
 RANK_LAYOUT = "tp fastest (Megatron order): rank = cp_rank * tp + tp_rank"
 CP_SPLIT = "load-balanced: 2*cp sequence chunks, CP rank c holds chunks c and 2*cp-1-c"
-STARTUP_TIMEOUT_S = 300.0  # interpreter, torch (and TE) import, process-group set-up, before the first probe
 KILL_GRACE_S = 5.0  # after SIGTERM to torchrun, before SIGKILL to everything
 POLL_S = 0.1
 PROGRESS_PREFIX = "progress."
@@ -411,10 +410,8 @@ def _killpg(pgid: int, sig: int, only_if_leader: bool = False) -> None:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env()
     env["NCCL_NVLS_ENABLE"] = "0"  # the lent multi-GPU machines require NVLink multicast off
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 

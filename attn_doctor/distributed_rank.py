@@ -51,6 +51,7 @@ from pathlib import Path
 
 from attn_doctor import distributed as grid
 from attn_doctor.errors import first_line
+from attn_doctor.results import write_atomic
 
 TENSORS = grid.TENSORS
 
@@ -503,6 +504,8 @@ class Prober:
         self.ctx = ctx
         self.backends: dict[str, object] = {}
         self.te_shards: dict[str, TEShards] = {}
+        self._case_key: tuple | None = None  # rank 0: the case whose reference and baseline run are kept
+        self._case_runs: tuple[dict, float, dict | None, dict, float] | None = None
 
     def backend(self, spec):
         from attn_doctor.backends import build
@@ -584,13 +587,10 @@ class Prober:
                     "detail": traceback.format_exc(limit=8)}
 
     def analyse(self, spec, backend, case, inputs, gathered, rans, method, kernel_s) -> dict:
-        from attn_doctor.backends import BASELINE, BackendSpec, Unsupported
         from attn_doctor.metrics import compare
-        from attn_doctor.probe import synchronize
-        from attn_doctor.reference import attention_reference
+        from attn_doctor.probe import relative_distance, synchronize
 
         ctx, torch = self.ctx, self.ctx.torch
-        f64 = torch.float64
         hq, hkv = case.heads // ctx.tp, case.num_kv_heads // ctx.tp
 
         def shard_index(name: str, rank: int):
@@ -612,31 +612,14 @@ class Prober:
                 whole[:, pos, heads] = part
             full[name] = whole
 
+        reference, reference_s, baseline, notes, baseline_s = self._reference_and_baseline(case, inputs)
         start = time.perf_counter()
-        reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,
-                                        softmax_scale=case.softmax_scale, window=case.window).tensors()
+        single, single_notes = self._single_run(backend, case, inputs, "single")
+        notes = {**single_notes, **notes}
         synchronize(ctx.device)
-        reference_s = time.perf_counter() - start
+        single_s = baseline_s + time.perf_counter() - start
 
         start = time.perf_counter()
-        notes = {}
-        runs = {}
-        for label, make in (("single", lambda: backend),
-                            ("baseline", lambda: self.backend(BackendSpec(BASELINE, "local")))):
-            try:
-                runs[label] = dict(zip(TENSORS, _single(torch, make(), case, inputs)))
-            except Unsupported as exc:
-                notes[f"{label}_skipped"] = str(exc)
-            except Exception as exc:  # noqa: BLE001 - reported beside the distributed result
-                notes[f"{label}_error"] = first_line(exc)
-        synchronize(ctx.device)
-        single_s = time.perf_counter() - start
-
-        start = time.perf_counter()
-        single, baseline = runs.get("single"), runs.get("baseline")
-
-        def distance(a, b) -> float:
-            return compare(a, b.to(f64)).rel_err
 
         result = {
             "status": "ok",
@@ -644,7 +627,7 @@ class Prober:
             "metrics": {n: compare(full[n], reference[n]).to_dict() for n in TENSORS},
             "single_metrics": {n: compare(single[n], reference[n]).to_dict() for n in TENSORS} if single else {},
             "baseline_metrics": {n: compare(baseline[n], reference[n]).to_dict() for n in TENSORS} if baseline else {},
-            "vs_single": {n: distance(full[n], single[n]) for n in TENSORS} if single else {},
+            "vs_single": {n: relative_distance(full[n], single[n]) for n in TENSORS} if single else {},
             "bitwise_single": {n: bool(torch.equal(full[n], single[n])) for n in TENSORS} if single else {},
             "ranks": [],
             "extra": {"cp_method": method, **notes} if method else dict(notes),
@@ -657,11 +640,43 @@ class Prober:
             if baseline:
                 entry["baseline_metrics"] = {n: compare(cut(baseline[n], n, rank), refs[n]).to_dict() for n in TENSORS}
             if single:
-                entry["vs_single"] = {n: distance(gathered[n][rank], cut(single[n], n, rank)) for n in TENSORS}
+                entry["vs_single"] = {n: relative_distance(gathered[n][rank], cut(single[n], n, rank)) for n in TENSORS}
             result["ranks"].append(entry)
         result["seconds"] = {"kernel": kernel_s, "reference": reference_s, "single-process runs": single_s,
                              "compare": time.perf_counter() - start}
         return result
+
+    def _reference_and_baseline(self, case, inputs) -> tuple[dict, float, dict | None, dict, float]:
+        """Rank 0: the float64 reference and the local baseline's single-process run of `case`, with their
+        seconds; computed for the case's first probe and kept for its other backends."""
+        from attn_doctor.backends import BASELINE, BackendSpec
+        from attn_doctor.probe import synchronize
+        from attn_doctor.reference import attention_reference
+
+        if self._case_key != case.key():
+            self._case_runs = None  # free the previous case first
+            start = time.perf_counter()
+            reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,
+                                            softmax_scale=case.softmax_scale, window=case.window).tensors()
+            synchronize(self.ctx.device)
+            reference_s = time.perf_counter() - start
+            start = time.perf_counter()
+            baseline, notes = self._single_run(self.backend(BackendSpec(BASELINE, "local")), case, inputs, "baseline")
+            synchronize(self.ctx.device)
+            self._case_key = case.key()
+            self._case_runs = (reference, reference_s, baseline, notes, time.perf_counter() - start)
+        return self._case_runs
+
+    def _single_run(self, backend, case, inputs, label: str) -> tuple[dict | None, dict]:
+        """`backend` on the full tensors in this one process, or None with the note saying why not."""
+        from attn_doctor.backends import Unsupported
+
+        try:
+            return dict(zip(TENSORS, _single(self.ctx.torch, backend, case, inputs))), {}
+        except Unsupported as exc:
+            return None, {f"{label}_skipped": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - reported beside the distributed result
+            return None, {f"{label}_error": first_line(exc)}
 
     def ran_label(self, rans: list[str]) -> str:
         ctx = self.ctx
@@ -693,10 +708,7 @@ def run(job: dict, progress: Progress) -> int:
             result = stop_result(stop) if ctx.rank == 0 else None
         if ctx.rank == 0:
             results.append(result)
-            output = Path(job["output"])
-            tmp = output.with_name(output.name + ".tmp")
-            tmp.write_text(json.dumps(results, allow_nan=True))
-            os.replace(tmp, output)
+            write_atomic(Path(job["output"]), json.dumps(results, allow_nan=True))
     progress.stage("finishing", collective=True)
     ctx.dist.barrier()
     ctx.dist.destroy_process_group()

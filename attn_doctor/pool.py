@@ -23,6 +23,15 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 STARTUP_TIMEOUT_S = 300.0
 
 
+def child_env() -> dict[str, str]:
+    """This environment, with this copy of attn_doctor importable and output unbuffered: for the processes
+    the tool starts (workers, distributed ranks)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 def describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -49,9 +58,7 @@ class Worker:
 
     def _start(self) -> str | None:
         """Start the process and wait for its hello; the reason on failure."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = child_env()
         self._stderr.seek(0)
         self._stderr.truncate()
         self._proc = subprocess.Popen(

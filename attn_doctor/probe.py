@@ -148,7 +148,7 @@ def run_probe(backend: Backend, case: Case, layout: str, cache: CaseCache) -> Pr
     return ProbeOutcome("ok", ran=ran, metrics=metrics, seconds=seconds)
 
 
-def _relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (the quantity the bug reports measured between two implementations)."""
     return compare(a, b.to(torch.float64)).rel_err
 
@@ -198,7 +198,7 @@ def run_tp_probe(backend: Backend, case: Case, tp: int, shards_as: str, cache: C
         name: compare(layouts.to_bshd(t, fmt), reference.tensors()[name]) for name, t in zip(names, joined)
     }
     extra = {
-        f"{name}_vs_tp1": _relative_distance(layouts.to_bshd(t, fmt), layouts.to_bshd(u, fmt))
+        f"{name}_vs_tp1": relative_distance(layouts.to_bshd(t, fmt), layouts.to_bshd(u, fmt))
         for name, t, u in zip(names, joined, unsharded)
     }
     return ProbeOutcome("ok", ran=backend.ran(parts[-1][0]), metrics=metrics, seconds=seconds, extra=extra)
@@ -297,10 +297,10 @@ def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: D
         "layers": layers,
         "dq_rel_err_by_layer": [m.rel_err for m in by_layer],
         "baseline_dq_rel_err_by_layer": [m.rel_err for m in base_by_layer],
-        "dq_first_vs_baseline": _relative_distance(bshd(dqs[0]), bshd(baseline[0])),
-        "dq_last_vs_baseline": _relative_distance(bshd(dqs[-1]), bshd(baseline[-1])),
+        "dq_first_vs_baseline": relative_distance(bshd(dqs[0]), bshd(baseline[0])),
+        "dq_last_vs_baseline": relative_distance(bshd(dqs[-1]), bshd(baseline[-1])),
     }
     if unsharded is not None:
-        extra["dq_first_vs_tp1"] = _relative_distance(bshd(dqs[0]), bshd(unsharded[0]))
+        extra["dq_first_vs_tp1"] = relative_distance(bshd(dqs[0]), bshd(unsharded[0]))
     return ProbeOutcome("ok", ran=backend.ran(attention.last_out), metrics={"dq_first": by_layer[0], "dq_last": by_layer[-1]},
                         seconds=seconds, extra=extra)
