@@ -113,6 +113,11 @@ def tp_unsupported(case: Case, tp: int) -> str | None:
     return None
 
 
+def tp_shard(case: Case, tp: int) -> Case:
+    """The case one of `tp` tensor-parallel head shards sees."""
+    return dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
+
+
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadInput(f"{name} must be a whole number, got {value!r}")

@@ -50,6 +50,7 @@ import traceback
 from pathlib import Path
 
 from attn_doctor import distributed as grid
+from attn_doctor.case import tp_shard
 from attn_doctor.errors import first_line
 from attn_doctor.results import write_atomic
 
@@ -522,11 +523,7 @@ class Prober:
 
         ctx, torch = self.ctx, self.ctx.torch
         spec, case = BackendSpec.from_dict(probe["backend"]), Case.from_dict(probe["case"])
-        hq, hkv = case.heads // ctx.tp, case.num_kv_heads // ctx.tp
-        if ctx.cp > 1:
-            shard_case = dataclasses.replace(case, heads=hq, kv_heads=hkv, seq=case.seq // ctx.cp)
-        else:
-            shard_case = dataclasses.replace(case, heads=hq, kv_heads=hkv)
+        shard_case = dataclasses.replace(tp_shard(case, ctx.tp), seq=case.seq // ctx.cp)
 
         ctx.compute("building the backend and the inputs")
 

@@ -6,7 +6,6 @@ reference is normally the parent's, shared by every family's worker (see `shared
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +13,7 @@ import torch
 
 from attn_doctor import layouts
 from attn_doctor.backends import Backend, Unsupported
-from attn_doctor.case import Case, tp_unsupported
+from attn_doctor.case import Case, tp_shard, tp_unsupported
 from attn_doctor.metrics import TensorMetrics, compare
 from attn_doctor.reference import Reference, attention_reference
 
@@ -158,11 +157,6 @@ def _grads(backend: Backend, q, k, v, dout, case: Case):
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
-def _shard(case: Case, tp: int) -> Case:
-    """The case one of `tp` head shards sees."""
-    return dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
-
-
 def run_tp_probe(backend: Backend, case: Case, tp: int, shards_as: str, cache: CaseCache) -> ProbeOutcome:
     """Split the heads into `tp` shards as Megatron's tensor parallelism does; run each as its own call
     (`shards_as` "views": head slices of the full tensors; "copies": contiguous copies), join the shards'
@@ -175,7 +169,7 @@ def run_tp_probe(backend: Backend, case: Case, tp: int, shards_as: str, cache: C
     fmt = backend.qkv_format
     full = layouts.build("contiguous", inputs.q, inputs.k, inputs.v, fmt)
     dout = layouts.to_format(inputs.dout, fmt).contiguous()
-    shard_case = _shard(case, tp)
+    shard_case = tp_shard(case, tp)
     hq, hkv = shard_case.heads, shard_case.num_kv_heads
     start = time.perf_counter()
     try:
@@ -275,7 +269,7 @@ def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: D
     if why_not:
         return ProbeOutcome("skip", reason=why_not)
     reference, baseline = cache.get(case, layers)
-    shard_case = _shard(case, tp)
+    shard_case = tp_shard(case, tp)
     stack = make_stack(case, layers, device, TORCH_DTYPES[case.dtype])
     start = time.perf_counter()
     attention = BackendAttention(backend, shard_case)
