@@ -207,7 +207,7 @@ def attention_reference(
         p1 = min(pairs, p0 + plan.pairs)
         chunk = _Chunk(k_ext[p0:p1], v_ext[p0:p1], out[p0:p1], lse[p0:p1],
                        None if grads is None else tuple(g[p0:p1] for g in grads),
-                       k_norms=k_ext[p0:p1, :, :head_dim].norm(dim=-1))
+                       k_norms=None if shift_free else k_ext[p0:p1, :, :head_dim].norm(dim=-1))
         for q0 in range(0, seq_q, plan.rows):
             q1 = min(seq_q, q0 + plan.rows)
             k0, k1 = key_range(q0, q1, seq_kv, causal, window)
@@ -244,7 +244,7 @@ class _Chunk:
     out: torch.Tensor  # [pairs, group, s_q, d_v]
     lse: torch.Tensor  # [pairs, group, s_q]
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # dq like out; dk, dv like k and v
-    k_norms: torch.Tensor  # [pairs, s_kv]: |k|, for the score bound
+    k_norms: torch.Tensor | None  # [pairs, s_kv]: |k|, for the score bound (None: scores need no shift)
 
 
 @dataclass(frozen=True)
