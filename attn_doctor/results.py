@@ -101,7 +101,7 @@ class Row:
             tensors=tensors,
             seconds=d.get("seconds", {}),
             options=d.get("options", {}),
-            coords=d.get("coords", {}),
+            coords=coords,
             extra=d.get("extra", {}),
         )
 

@@ -168,6 +168,7 @@ class DepthLine:
 
 
 def depth_lines(rows: list[Row]) -> list[DepthLine]:
+    """The depth rows' numbers, by backend, TP degree and depth."""
     lines = []
     for row in rows:
         if row.coords.get("probe") != "depth" or "dq_first" not in row.tensors:
@@ -179,7 +180,7 @@ def depth_lines(rows: list[Row]) -> list[DepthLine]:
             baseline_dq_first=first.baseline_rel_err, ratio=first.ratio, verdict=row.verdict,
             vs_baseline=row.extra.get("dq_first_vs_baseline", math.nan), vs_tp1=row.extra.get("dq_first_vs_tp1"),
         ))
-    return lines
+    return sorted(lines, key=lambda line: (line.backend, line.tp, line.layers))
 
 
 @dataclass

@@ -26,7 +26,8 @@ _FLASH_LABELS = {"v2": "flash-attn v2", "v3": "flash-attn v3", "v4": "flash-attn
 NONE_SET = "none set"
 
 
-def _fact_cell(fact: Fact) -> tuple[str, Kind]:
+def fact_cell(fact: Fact) -> tuple[str, Kind]:
+    """A fact as display text ("n/a (why)", "value (note)") and how it reads: missing, warn or ok."""
     if fact.value is None:
         return (f"n/a ({fact.note})" if fact.note else "n/a"), "missing"
     if fact.note:
@@ -38,7 +39,7 @@ def _rows(env: EnvReport) -> list[tuple[str, str, Kind]]:
     rows: list[tuple[str, str, Kind]] = []
 
     def add(label: str, fact: Fact) -> None:
-        rows.append((label, *_fact_cell(fact)))
+        rows.append((label, *fact_cell(fact)))
 
     add("Python", env.python)
     add("platform", env.platform)
@@ -81,17 +82,13 @@ def env_rich_table(env: EnvReport) -> Table:
     return table
 
 
-def _md_cell(text: str) -> str:
-    return md_escape(text)
-
-
 def env_markdown(env: EnvReport) -> str:
     """A GitHub Markdown table ``| fact | value |`` ready to paste into an issue."""
     lines = ["| fact | value |", "| --- | --- |"]
     for label, value, _ in _rows(env):
         if label == "env vars":
-            cell = "<br>".join(_md_cell(f"{k}={v}") for k, v in env.env_vars.items()) or f"*{NONE_SET}*"
+            cell = "<br>".join(md_escape(f"{k}={v}") for k, v in env.env_vars.items()) or f"*{NONE_SET}*"
         else:
-            cell = _md_cell(value)
-        lines.append(f"| {_md_cell(label)} | {cell} |")
+            cell = md_escape(value)
+        lines.append(f"| {md_escape(label)} | {cell} |")
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from attn_doctor.env import EnvReport
 from attn_doctor.errors import BadInput
+from attn_doctor.render.env_view import fact_cell
 from attn_doctor.results import Row, RunReport, read_report
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
@@ -25,7 +26,8 @@ class ReportData:
 
     @property
     def plot_path(self) -> Path | None:
-        return self.directory / self.plot_name if self.plot_name else None
+        name = self.plot_name
+        return self.directory / name if name else None
 
 
 def load_results(path: Path) -> ReportData:
@@ -63,16 +65,14 @@ def sort_rows(pairs):
 def depth_rows(rows: list[Row]):
     from attn_doctor.sweep import depth_lines
 
-    return sorted(depth_lines(rows), key=lambda d: (d.backend, d.tp, d.layers))
+    return depth_lines(rows)
 
 
 def compact_env(env: EnvReport) -> list[list[str]]:
     """The few facts a maintainer asks first, as (label, value) rows."""
 
     def fact(f) -> str:
-        if f.value is None:
-            return f"n/a ({f.note})" if f.note else "n/a"
-        return f"{f.value} ({f.note})" if f.note else f.value
+        return fact_cell(f)[0]
 
     gpus = "; ".join(f"{g.name} ({g.sm}, {g.memory_total_mib} MiB)" for g in env.gpus) or (env.gpus_note or "none")
     flash = ", ".join(f"{k} {v.value}" for k, v in env.flash_attn.items() if v.value) or "not installed"

@@ -69,7 +69,7 @@ def depth_table(lines) -> Table:
     for name in ("backend", "TP", "layers", "dQ err L1", "dQ err last", "local dQ err L1", "× base",
                  "‖dQ−dQ_local‖ L1", "‖dQ−dQ_TP1‖ L1", "verdict"):
         table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=True)
-    for line in sorted(lines, key=lambda l: (l.backend, l.tp, l.layers)):
+    for line in lines:
         table.add_row(line.backend, str(line.tp), str(line.layers), sci(line.dq_first), sci(line.dq_last),
                       sci(line.baseline_dq_first), ratio(line.ratio), sci(line.vs_baseline),
                       sci(line.vs_tp1) if line.vs_tp1 is not None else "",
