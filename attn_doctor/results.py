@@ -43,6 +43,10 @@ class Row:
     coords: dict[str, Any] = field(default_factory=dict)  # probe coordinates beyond the case (layers, tp)
     extra: dict[str, Any] = field(default_factory=dict)  # probe-specific facts (per-layer errors, distances)
 
+    def coords_text(self) -> str:
+        """The probe's coordinates beyond its case and layout, as " tp=2 layers=24" (empty for a plain call)."""
+        return "".join(f" {k}={v}" for k, v in self.coords.items() if k != "probe")
+
     def repro_command(self) -> str:
         """The attn-doctor command that re-runs exactly this row."""
         if self.family == "kernel":

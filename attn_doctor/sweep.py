@@ -243,7 +243,7 @@ def tally(rows: list[Row]) -> list[BackendTally]:
         return []
     frame = pd.DataFrame([
         {"backend": r.backend, "verdict": r.verdict,
-         "knobs": f"{r.case.short()} {r.layout}" + "".join(f" {k}={v}" for k, v in r.coords.items() if k != "probe")}
+         "knobs": f"{r.case.short()} {r.layout}{r.coords_text()}"}
         for r in rows
     ])
     counts = frame.pivot_table(index="backend", columns="verdict", aggfunc="size", fill_value=0)

@@ -8,9 +8,9 @@ from html import escape
 
 from attn_doctor.render.env_view import env_rows
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
-from attn_doctor.render.report_data import ReportData, compact_env, depth_rows, sort_rows
+from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, depth_rows, dq_in_eps, sort_rows,
+                                            tensor_names)
 from attn_doctor.results import Row
-from attn_doctor.verdict import EPS, TENSORS
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
@@ -56,13 +56,13 @@ def _table(header: list[str], rows: list[str], sortable: bool = True) -> str:
 
 
 def _results_table(rows: list[Row]) -> str:
-    names = [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(TENSORS)
+    names = tensor_names(rows)
     header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[n]} err" for n in names] + [
         f"{TENSOR_TITLES[n]} ×base" for n in names] + ["dQ err / ε", "verdict"]
     out = []
-    for row, layout in sort_rows(display_rows([r for r in rows if r.coords.get("probe") != "depth"])):
+    for row, layout in sort_rows(display_rows(call_rows(rows))):
         cells = [_cell(row.backend), _cell(row.ran if row.tensors else row.reason), _cell(layout),
-                 _cell(row.case.short() + "".join(f" {k}={v}" for k, v in row.coords.items() if k != "probe"))]
+                 _cell(row.case.short() + row.coords_text())]
         for n in names:
             t = row.tensors.get(n)
             cells.append(_cell(sci(t.rel_err) if t else "", sort=t.rel_err if t else None,
@@ -70,8 +70,7 @@ def _results_table(rows: list[Row]) -> str:
         for n in names:
             t = row.tensors.get(n)
             cells.append(_cell(ratio(t.ratio) if t else "", sort=t.ratio if t else None, css="num"))
-        dq = row.tensors.get("dq")
-        cells.append(_cell(f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq else "", css="num"))
+        cells.append(_cell(dq_in_eps(row), css="num"))
         cells.append(_cell(row.verdict, css="verdict"))
         out.append(f'<tr class="{escape(row.verdict)}">{"".join(cells)}</tr>')
     return _table(header, out)
@@ -103,7 +102,7 @@ def report_html(data: ReportData) -> str:
     if report.env is not None:
         rows = [f"<tr>{_cell(label)}{_cell(value)}</tr>" for label, value in compact_env(report.env)]
         parts.append("<h2>Environment</h2>" + _table(["fact", "value"], rows, sortable=False))
-    if any(r.coords.get("probe") != "depth" for r in report.rows):
+    if call_rows(report.rows):
         parts.append("<h2>Results</h2><p>Relative L2 error against float64; ×base is the ratio to the Megatron-local "
                      "baseline's error on the same inputs. Click a column to sort.</p>" + _results_table(report.rows))
     depth = _depth_table(report.rows)
@@ -112,14 +111,14 @@ def report_html(data: ReportData) -> str:
         if data.plot_path is not None:
             encoded = base64.b64encode(data.plot_path.read_bytes()).decode()
             parts.append(f'<img alt="dQ error against depth" src="data:image/png;base64,{encoded}">')
-    failing = [row for row in report.rows if row.verdict in ("FAIL", "ERROR")]
+    failing = data.failing
     if failing:
-        commands = "".join(f"<pre>{escape(c)}</pre>" for c in dict.fromkeys(r.repro_command() for r in failing))
+        commands = "".join(f"<pre>{escape(c)}</pre>" for c in data.repro_commands)
         reasons = "".join(f"<li><code>{escape(r.backend)}</code> on <code>{escape(r.layout)}</code> "
                           f"({escape(r.case.short())}): {escape(r.reason)}</li>" for r in failing)
         parts.append(f"<h2>Reproduce</h2>{commands}<details><summary>Why each failing row failed</summary>"
                      f"<ul>{reasons}</ul></details>")
-    skipped = [(r, layout) for r, layout in display_rows(report.rows) if r.verdict == "SKIP"]
+    skipped = data.skipped
     if skipped:
         items = "".join(f"<li><code>{escape(r.backend)}</code> ({escape('all layouts' if layout == 'all' else layout)}): "
                         f"{escape(r.reason)}</li>" for r, layout in skipped)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from attn_doctor.render.env_view import env_markdown
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci, tensor_cell
-from attn_doctor.render.report_data import ReportData, compact_env, depth_rows, sort_rows
+from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, depth_rows, dq_in_eps, sort_rows,
+                                            tensor_names)
 from attn_doctor.results import Row
-from attn_doctor.verdict import EPS, TENSORS
 
 
 escape = md_escape
@@ -37,20 +37,18 @@ def _verdict(row: Row) -> str:
 
 
 def results_markdown(rows: list[Row]) -> str:
-    names = [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(TENSORS)
-    shown_rows = [r for r in rows if r.coords.get("probe") != "depth"]
+    names = tensor_names(rows)
+    shown_rows = call_rows(rows)
     tp_distance = any("dq_vs_tp1" in r.extra for r in shown_rows)
     header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[n]} err (×base)" for n in names] + [
         "dQ err / ε"] + (["‖dQ − dQ_TP1‖ / ‖dQ_TP1‖"] if tp_distance else []) + ["verdict"]
     body = []
     for row, layout in sort_rows(display_rows(shown_rows)):
-        dq = row.tensors.get("dq")
-        in_eps = f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq is not None else ""
         ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
-        knobs = row.case.short() + "".join(f" {k}={v}" for k, v in row.coords.items() if k != "probe")
+        knobs = row.case.short() + row.coords_text()
         distance = [sci(row.extra["dq_vs_tp1"]) if "dq_vs_tp1" in row.extra else ""] if tp_distance else []
         body.append([escape(row.backend), escape(ran), escape(layout), escape(knobs)]
-                    + [tensor_text(row, n) for n in names] + [in_eps] + distance + [_verdict(row)])
+                    + [tensor_text(row, n) for n in names] + [dq_in_eps(row)] + distance + [_verdict(row)])
     return table(header, body) if body else ""
 
 
@@ -89,10 +87,10 @@ def report_markdown(data: ReportData) -> str:
                   "bug reports measured.", "", depth, ""]
         if data.plot_name:
             parts += [f"![dQ error against depth]({data.plot_name})", ""]
-    failing = [row for row in report.rows if row.verdict in ("FAIL", "ERROR")]
+    failing = data.failing
     if failing:
         parts += ["### Reproduce", ""]
-        for command in dict.fromkeys(row.repro_command() for row in failing):
+        for command in data.repro_commands:
             parts += ["```bash", command, "```"]
         parts.append("")
         parts += ["<details><summary>Why each failing row failed</summary>", ""]
@@ -100,7 +98,7 @@ def report_markdown(data: ReportData) -> str:
             parts.append(f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())}): "
                          f"{escape(row.reason)}")
         parts += ["", "</details>", ""]
-    skipped = [(row, layout) for row, layout in display_rows(report.rows) if row.verdict == "SKIP"]
+    skipped = data.skipped
     if skipped:
         parts += ["<details><summary>Skipped paths and why</summary>", ""]
         for row, layout in skipped:

@@ -8,7 +8,9 @@ from pathlib import Path
 from attn_doctor.env import EnvReport
 from attn_doctor.errors import BadInput
 from attn_doctor.render.env_view import fact_cell
+from attn_doctor.render.format import display_rows
 from attn_doctor.results import Row, RunReport, read_report
+from attn_doctor.verdict import EPS, TENSORS
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
 
@@ -23,6 +25,20 @@ class ReportData:
     def plot_name(self) -> str | None:
         name = self.report.artifacts.get("plot")
         return name if name and (self.directory / name).is_file() else None
+
+    @property
+    def failing(self) -> list[Row]:
+        return [row for row in self.report.rows if row.verdict in ("FAIL", "ERROR")]
+
+    @property
+    def repro_commands(self) -> list[str]:
+        """One command per distinct failing path."""
+        return list(dict.fromkeys(row.repro_command() for row in self.failing))
+
+    @property
+    def skipped(self) -> list[tuple[Row, str]]:
+        """Skipped rows with their layout label ("all": skipped on every layout for one reason)."""
+        return [(row, layout) for row, layout in display_rows(self.report.rows) if row.verdict == "SKIP"]
 
     @property
     def plot_path(self) -> Path | None:
@@ -56,6 +72,22 @@ def _from_jsonl(path: Path) -> RunReport:
     faulty = find_faulty(rows)
     return RunReport(command=f"(interrupted sweep, read from {path.name})", device="", env=None, rows=rows,
                      faulty=faulty, summary=summarize(rows, faulty))
+
+
+def call_rows(rows: list[Row]) -> list[Row]:
+    """The rows of single attention calls (layouts, TP shards): the results table; depth rows have theirs."""
+    return [row for row in rows if row.coords.get("probe") != "depth"]
+
+
+def tensor_names(rows: list[Row]) -> list[str]:
+    """The tensors the rows measured (all four when none did), in table order."""
+    return [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(TENSORS)
+
+
+def dq_in_eps(row: Row) -> str:
+    """dQ's relative error in units of the dtype's machine epsilon."""
+    dq = row.tensors.get("dq")
+    return f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq is not None else ""
 
 
 def sort_rows(pairs):
