@@ -1,9 +1,10 @@
 """The reference at seq 131072 (batch 1, 16 heads, head dim 128, causal) with key tiles of 4096 and 8192 columns.
 
 Run on the H200 as `PYTHONPATH=$PWD python3 benchmarks/bench_tile_cols.py` (output: h200/bench-tile-cols.txt).
-The float64 matmul ceiling is measured first in the same process: median of 5 8192^3 matmuls. FLOPs count
-what the causal mask leaves: 6 matmuls of 2*h*d per visible (query, key) pair. Timing and ceiling helpers
-are bench_reference.py's.
+The float64 matmul ceiling is measured first in the same process: median of 5 8192^3 matmuls, on float64
+operands (float32-valued ones in the runs recorded in h200/bench-tile-cols*.txt). FLOPs count what the
+causal mask leaves: 6 matmuls of 2*h*d per visible (query, key) pair. Timing and ceiling helpers are
+bench_reference.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The commands that produced the H200 evidence in this folder, run on the lent H200 from the project root
 # after ../shared/device/stage-te.sh installed TE 2.20.2 (PYTHONPATH=$PWD, python3 = the machine's 3.12).
-# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep | bench-3 | shared-reference | bench-4)
+# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep | bench-3 | shared-reference | bench-4 | bench-5)
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COLUMNS=170
@@ -54,5 +54,13 @@ bench-4)  # the final lease: re-timed with one shared reference per case (benchm
   cp "$(ls -td /tmp/attn-doctor-bench-*/ | head -1)bench_run.json" "$out/bench-run-3.json"
   step bench-tile-cols-2 python3 benchmarks/bench_tile_cols.py
   step check-reference-cuda-2 python3 benchmarks/check_reference_cuda.py
+  ;;
+bench-5)  # the float64 ceiling on float64 operands, the reference re-timed against it, and its profile
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$out/gpu-clocks-5.txt"
+  step bench-matmul-ceiling python3 benchmarks/bench_matmul_ceiling.py
+  step bench-reference-5 python3 benchmarks/bench_reference.py --device cuda --seqs 8192,65536,131072 \
+       --repeats 3 --naive-max 8192
+  step profile-reference python3 benchmarks/profile_reference.py --seq 131072 --heads 4 --trace /tmp/reference-trace.json
+  step bench-matmul-ceiling-2 python3 benchmarks/bench_matmul_ceiling.py
   ;;
 esac
