@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
-from bench_reference import timed
-
-
-def rate(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
-    torch.matmul(a, b)  # warm-up
-    return 2 * a.shape[0] ** 3 / statistics.median(timed(lambda: torch.matmul(a, b), "cuda", repeats))
+from bench_reference import square_matmul_rate
 
 
 def main() -> None:
@@ -44,7 +38,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {name: [] for name in kinds}
     for round_ in range(args.rounds):
         for name, (x, y) in kinds.items():
-            tflops = rate(x, y, args.repeats) / 1e12
+            tflops = square_matmul_rate(x, y, "cuda", args.repeats) / 1e12
             rows[name].append(tflops)
             print(json.dumps({"round": round_, "operands": name, "tflops": round(tflops, 2)}), flush=True)
     print(f"\nfloat64 {args.n}^3 matmul, TFLOP/s by operands (rounds in order)\n")

@@ -48,9 +48,13 @@ def matmul_rate(device: str, dtype: torch.dtype, n: int, repeats: int = 5,
     with fewer significant bits, so the rounding matters."""
     source = torch.float64 if dtype == torch.float64 else torch.float32
     a, b = (torch.randn(n, n, device=device, dtype=source).to(values_of or dtype).to(dtype) for _ in range(2))
+    return square_matmul_rate(a, b, device, repeats)
+
+
+def square_matmul_rate(a: torch.Tensor, b: torch.Tensor, device: str, repeats: int) -> float:
+    """FLOP/s of a @ b for n x n operands, median of `repeats` after a warm-up."""
     torch.matmul(a, b)  # warm-up
-    best = statistics.median(timed(lambda: torch.matmul(a, b), device, repeats))
-    return 2 * n**3 / best
+    return 2 * a.shape[0] ** 3 / statistics.median(timed(lambda: torch.matmul(a, b), device, repeats))
 
 
 def visible_pairs(seq: int, causal: bool) -> int:
