@@ -78,12 +78,11 @@ def time_runs(work: str, env: dict, repeats: int, results: dict, per_backend: bo
     if not per_backend:
         return
     backends = [r["backend"] for r in json.loads(Path(f"{work}/run.json").read_text())["results"]]
-    per_backend = []
+    each = []
     for backend in dict.fromkeys(backends):
         seconds, _, _ = wall(CLI + ["run", "--backend", backend, "--json", f"{work}/one.json"], work, env)
-        per_backend.append((backend, seconds))
-    results["one process per backend (sum of runs)"] = {"sum_s": sum(s for _, s in per_backend),
-                                                        "each": per_backend}
+        each.append((backend, seconds))
+    results["one process per backend (sum of runs)"] = {"sum_s": sum(s for _, s in each), "each": each}
     print(json.dumps({"one process per backend": results["one process per backend (sum of runs)"]}), flush=True)
 
 
