@@ -1,4 +1,4 @@
-"""Benchmark the float64 attention reference: blockwise (attn_doctor.reference) against the naive formula.
+"""Benchmark the float64 attention reference: blockwise (attn_doctor.numerics.reference) against the naive formula.
 
 Prints one JSON line per measurement and a markdown table at the end. Ceilings (float64 and bf16 matmul
 rates) are measured in the same run. The float64 ceiling is measured on float64 operands (every mantissa
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from attn_doctor import reference
-from attn_doctor.reference import attention_reference, naive_reference
+from attn_doctor.numerics import reference
+from attn_doctor.numerics.reference import attention_reference, naive_reference
 
 
 def sync(device: str) -> None:

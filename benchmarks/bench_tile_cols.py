@@ -15,7 +15,7 @@ import statistics
 import torch
 from bench_reference import matmul_rate, timed, visible_pairs
 
-from attn_doctor import reference
+from attn_doctor.numerics import reference
 
 
 def main(device: str = "cuda", seq: int = 131072, heads: int = 16, head_dim: int = 128, matmul_n: int = 8192,

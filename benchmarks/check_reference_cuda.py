@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_doctor.reference import attention_reference, naive_reference
+from attn_doctor.numerics.reference import attention_reference, naive_reference
 
 # batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, window, block_bytes (None: the default budget)
 SHAPES = [

@@ -16,7 +16,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from attn_doctor import reference
+from attn_doctor.numerics import reference
 
 
 def device_time(event) -> float:

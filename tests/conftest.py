@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from attn_doctor.case import make_case
+from attn_doctor.core.case import make_case
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 FAULTY = KERNELS_DIR / "faulty.py"

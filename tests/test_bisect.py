@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from attn_doctor.bisect import Bisector, Config, NothingToBisect, Outcome, valid_config
-from attn_doctor.case import Case, make_case
+from attn_doctor.bisect.engine import Bisector, Config, NothingToBisect, Outcome, valid_config
+from attn_doctor.core.case import Case, make_case
 from cli_checks import one_line_error
 
 COND = Path(__file__).resolve().parent / "kernels" / "conditional.py"

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from attn_doctor.verdict import TENSORS
+from attn_doctor.verdict.rule import TENSORS
 from cli_checks import one_line_error
 
 TENSOR_KEYS = {"rel_err", "max_abs_err", "cosine", "baseline_rel_err", "ratio", "verdict"}

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from attn_doctor import distributed as D
+from attn_doctor.distributed import launch as D
 from attn_doctor.backends import BackendSpec, build
 from attn_doctor.backends.kernel import parse_kernel_spec
-from attn_doctor.case import make_case
-from attn_doctor.diagnosis import judge
-from attn_doctor.errors import BadInput
-from attn_doctor.results import Row
-from attn_doctor.verdict import ERROR, FAIL, PASS, SKIP
+from attn_doctor.core.case import make_case
+from attn_doctor.verdict.diagnosis import judge
+from attn_doctor.core.errors import BadInput
+from attn_doctor.results.document import Row
+from attn_doctor.verdict.rule import ERROR, FAIL, PASS, SKIP
 
 RANK_FAULTS = Path(__file__).resolve().parent / "kernels" / "rank_faults.py"
 SDPA_MATH = BackendSpec("sdpa.math", "sdpa", {"kernel": "math"})
@@ -147,7 +147,7 @@ def test_distributed_row_is_judged_against_the_plain_single_call_baseline(tp2):
     """diagnosis.judge, as the CLI calls it, pairs the distributed row with the ordinary baseline row."""
     import torch
 
-    from attn_doctor.probe import CaseCache, run_probe
+    from attn_doctor.probes.run import CaseCache, run_probe
 
     measured = run_probe(build(LOCAL), CAUSAL, "contiguous", CaseCache(torch.device("cpu")))
     baseline = Row("local", "local", "contiguous", CAUSAL, "", metrics=measured.metrics)  # as runner makes it

@@ -1,4 +1,4 @@
-"""Tests for attn_doctor.env, attn_doctor.te_probe and attn_doctor.render.env_view (CPU-only)."""
+"""Tests for attn_doctor.machine.fingerprint, attn_doctor.machine.te_probe and attn_doctor.render.env_view (CPU-only)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from attn_doctor import env as env_mod
-from attn_doctor.env import EnvReport, Fact, GpuInfo, collect_env
+from attn_doctor.machine import fingerprint as env_mod
+from attn_doctor.machine.fingerprint import EnvReport, Fact, GpuInfo, collect_env
 from attn_doctor.render.env_view import env_markdown, env_rich_table, env_rows
-from attn_doctor.te_probe import decode_cudnn_version, probe_loaded_te
+from attn_doctor.machine.te_probe import decode_cudnn_version, probe_loaded_te
 
 HAS_GPU = torch.cuda.is_available()
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from attn_doctor.case import Case, make_case
-from attn_doctor.env import EnvReport
-from attn_doctor.known_bugs import (
+from attn_doctor.core.case import Case, make_case
+from attn_doctor.machine.fingerprint import EnvReport
+from attn_doctor.machine.known_bugs import (
     COMPONENTS,
     CONDITION_KEYS,
     SYMPTOMS,

@@ -10,16 +10,16 @@ import math
 import pytest
 import torch
 
-from attn_doctor import metrics
+from attn_doctor.numerics import metrics
 from attn_doctor.backends import BackendSpec
 from attn_doctor.backends.kernel import parse_kernel_spec
-from attn_doctor.case import make_case
-from attn_doctor.diagnosis import find_faulty, summarize
-from attn_doctor.layouts import LAYOUTS
-from attn_doctor.metrics import TensorMetrics, compare
-from attn_doctor.reference import attention_reference, naive_reference
-from attn_doctor.runner import plan_jobs, run_jobs
-from attn_doctor.verdict import EPS, FAIL, PASS, SKIP, TENSORS, judge_tensor
+from attn_doctor.core.case import make_case
+from attn_doctor.verdict.diagnosis import find_faulty, summarize
+from attn_doctor.core.layouts import LAYOUTS
+from attn_doctor.numerics.metrics import TensorMetrics, compare
+from attn_doctor.numerics.reference import attention_reference, naive_reference
+from attn_doctor.execution.session import plan_jobs, run_jobs
+from attn_doctor.verdict.rule import EPS, FAIL, PASS, SKIP, TENSORS, judge_tensor
 
 FAULTY_NAMES = ("correct_fp32", "dq_two_percent", "causal_shift_backward", "nan_one_head_dk", "ignores_strides")
 VIEW_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "contiguous")
@@ -62,7 +62,7 @@ TILINGS = {  # block_bytes, widest key tile: each exercises one path of attentio
 @pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("shape", REFERENCE_SHAPES, ids=lambda s: "b{}-s{}-skv{}-h{}-kv{}-d{}-{}-w{}".format(*s))
 def test_blockwise_reference_matches_naive(shape, tiling, monkeypatch):
-    from attn_doctor import reference
+    from attn_doctor.numerics import reference
 
     block_bytes, widest = TILINGS[tiling]
     if widest is not None:
@@ -89,7 +89,7 @@ def test_reference_softmax_shift_paths(monkeypatch, magnitude, path):
     """Ordinary scores need no softmax shift; scores in the hundreds are shifted by their Cauchy-Schwarz bound;
     in the thousands that bound is so far above each row's maximum that the sums would underflow, and the
     block is redone with the exact maximum. Each path must match the plain formula."""
-    from attn_doctor import reference
+    from attn_doctor.numerics import reference
 
     bounds, exact_calls = [], []
     score_bound, exact_row_max = reference._score_bound, reference._exact_row_max
@@ -128,7 +128,7 @@ def test_reference_takes_low_precision_strided_inputs():
     ("recomputed-16x16-tiles", 2, 16, 16, False), ("recomputed-wide-tiles", 2, 25, 32, False),
 ])
 def test_tilings_take_the_path_they_are_named_for(monkeypatch, tiling, pairs, rows, cols, keep):
-    from attn_doctor import reference
+    from attn_doctor.numerics import reference
 
     block_bytes, widest = TILINGS[tiling]
     if widest is not None:
@@ -139,7 +139,7 @@ def test_tilings_take_the_path_they_are_named_for(monkeypatch, tiling, pairs, ro
 
 def test_long_context_plan_on_cuda_keeps_tall_blocks_a_few_heads_at_a_time():
     """Seq 131072 x 16 heads on CUDA: the default budget keeps 1024 rows of probabilities of 4 heads (4 GiB)."""
-    from attn_doctor.reference import plan_tiles
+    from attn_doctor.numerics.reference import plan_tiles
 
     plan = plan_tiles(16, 1, 131072, 131072, torch.device("cuda"), None)
     assert (plan.pairs, plan.rows, plan.cols, plan.keep) == (4, 1024, 8192, True)
@@ -303,7 +303,7 @@ def test_every_probe_measures_against_the_one_shared_reference(real_rows):
 
 
 def _run_one_case():
-    from attn_doctor.runner import Session
+    from attn_doctor.execution.session import Session
 
     with Session("cpu", timeout_s=120) as session:
         rows = session.run(plan_jobs(REAL_CASES[:1], REAL_SPECS, ["contiguous", "transposed"]))
@@ -318,7 +318,7 @@ def test_reference_computed_once_per_case_across_families():
 
 
 def test_workers_compute_the_reference_when_sharing_fails(monkeypatch):
-    from attn_doctor import shared_reference
+    from attn_doctor.execution import shared_reference
 
     def no_shared_memory(tensors):
         raise OSError("No space left on device")

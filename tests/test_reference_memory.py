@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from attn_doctor.reference import attention_reference, naive_reference
+from attn_doctor.numerics.reference import attention_reference, naive_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ, HEADS, HEAD_DIM = 8192, 2, 16
@@ -19,7 +19,7 @@ BOUND_MIB = 400  # the naive scores alone: SEQ * SEQ * HEADS * 8 bytes = 1024 Mi
 
 PROBE = textwrap.dedent(f"""
     import json, resource, torch
-    from attn_doctor.reference import attention_reference
+    from attn_doctor.numerics.reference import attention_reference
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(1, {SEQ}, {HEADS}, {HEAD_DIM}) for _ in range(4))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

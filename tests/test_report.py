@@ -31,7 +31,7 @@ import pytest
 
 from attn_doctor import cli as cli_module
 from attn_doctor.render.markdown import escape as md_escape
-from attn_doctor.results import RunReport
+from attn_doctor.results.document import RunReport
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data" / "results-fixed.json"

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from attn_doctor.backends import resolve
-from attn_doctor.case import make_case
-from attn_doctor.runner import Session, plan_depth_jobs, plan_jobs
+from attn_doctor.core.case import make_case
+from attn_doctor.execution.session import Session, plan_depth_jobs, plan_jobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
 

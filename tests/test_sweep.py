@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn_doctor import stack as stacking
-from attn_doctor import sweep as sweeping
-from attn_doctor.case import make_case
+from attn_doctor.probes import stack as stacking
+from attn_doctor.workflows import sweep as sweeping
+from attn_doctor.core.case import make_case
 from attn_doctor.cli import build_grid
-from attn_doctor.results import read_report
+from attn_doctor.results.document import read_report
 from cli_checks import one_line_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -236,7 +236,7 @@ def test_depth_reference_built_once_per_depth_and_shared(correct_depth):
 
 def test_depth_runs_one_depth_at_a_time_and_computes_each_stack_once():
     from attn_doctor.backends import BackendSpec
-    from attn_doctor.runner import Session, _depth_steps, plan_depth_jobs
+    from attn_doctor.execution.session import Session, _depth_steps, plan_depth_jobs
 
     case = make_case(batch=1, seq=16, heads=2, head_dim=8, dtype="bf16", mask="causal", seed=3)
     jobs = plan_depth_jobs(case, [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"}),
@@ -705,7 +705,7 @@ def test_two_workers_per_family_run_every_point_once_in_grid_order(tmp_path, run
 
 def test_session_spreads_a_familys_points_over_its_workers():
     from attn_doctor.backends import BackendSpec
-    from attn_doctor.runner import Session, plan_jobs
+    from attn_doctor.execution.session import Session, plan_jobs
 
     cases = [make_case(batch=1, seq=seq, heads=2, head_dim=8) for seq in (16, 24, 32, 40)]
     groups = [plan_jobs([case], [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"})], ["contiguous"])

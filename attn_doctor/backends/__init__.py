@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
-from attn_doctor.errors import BadInput
+from attn_doctor.core.errors import BadInput
 
 BASELINE = "local"
 SDPA_NAMES = ("sdpa.flash", "sdpa.efficient", "sdpa.cudnn", "sdpa.math")

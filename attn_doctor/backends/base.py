@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from attn_doctor.case import Case
+from attn_doctor.core.case import Case
 
 
 class Unsupported(Exception):

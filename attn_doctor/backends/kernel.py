@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from attn_doctor.backends.base import Backend, BackendSpec
-from attn_doctor.case import Case
-from attn_doctor.errors import BadInput
+from attn_doctor.core.case import Case
+from attn_doctor.core.errors import BadInput
 
 
 def parse_kernel_spec(text: str) -> BackendSpec:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from attn_doctor.backends.base import Backend
-from attn_doctor.case import Case
-from attn_doctor.reference import allowed_mask
+from attn_doctor.core.case import Case
+from attn_doctor.numerics.reference import allowed_mask
 
 MEGATRON_MASK_FILL = -10000.0
 

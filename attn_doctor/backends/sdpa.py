@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attn_doctor.backends.base import Backend, Unsupported
-from attn_doctor.case import Case
-from attn_doctor.reference import allowed_mask
+from attn_doctor.core.case import Case
+from attn_doctor.numerics.reference import allowed_mask
 
 KERNELS = {
     "math": SDPBackend.MATH,

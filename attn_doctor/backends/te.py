@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
-from attn_doctor.case import Case
+from attn_doctor.core.case import Case
 
 FLAGS = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}
 # F16_max512_seqlen (0) and F16_arbitrary_seqlen (1); NVTE_FUSED_ATTN_BACKEND chose between them up to

@@ -1,4 +1,4 @@
-"""Presentation of an :class:`~attn_doctor.env.EnvReport`: rows, a rich table, Markdown."""
+"""Presentation of an :class:`~attn_doctor.machine.fingerprint.EnvReport`: rows, a rich table, Markdown."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 from rich.table import Table
 from rich.text import Text
 
-from attn_doctor.env import EnvReport, Fact
+from attn_doctor.machine.fingerprint import EnvReport, Fact
 from attn_doctor.render.format import md_escape
 
 Kind = Literal["ok", "warn", "missing"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from attn_doctor.results import Row
+from attn_doctor.results.document import Row
 
 TENSOR_TITLES = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV"}
 

@@ -10,7 +10,7 @@ from attn_doctor.render.env_view import env_rows
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
 from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, depth_rows, dq_in_eps, sort_rows,
                                             tensor_names)
-from attn_doctor.results import Row
+from attn_doctor.results.document import Row
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}

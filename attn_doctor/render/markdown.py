@@ -11,7 +11,7 @@ from attn_doctor.render.env_view import env_markdown
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci, tensor_cell
 from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, depth_rows, dq_in_eps, sort_rows,
                                             tensor_names)
-from attn_doctor.results import Row
+from attn_doctor.results.document import Row
 
 
 escape = md_escape

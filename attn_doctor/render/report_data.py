@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attn_doctor.env import EnvReport
-from attn_doctor.errors import BadInput
+from attn_doctor.machine.fingerprint import EnvReport
+from attn_doctor.core.errors import BadInput
 from attn_doctor.render.env_view import fact_cell
 from attn_doctor.render.format import display_rows
-from attn_doctor.results import Row, RunReport, read_report
-from attn_doctor.verdict import EPS, TENSORS
+from attn_doctor.results.document import Row, RunReport, read_report
+from attn_doctor.verdict.rule import EPS, TENSORS
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
 
@@ -62,8 +62,8 @@ def load_results(path: Path) -> ReportData:
 
 
 def _from_jsonl(path: Path) -> RunReport:
-    from attn_doctor.diagnosis import find_faulty, summarize
-    from attn_doctor.sweep import read_records
+    from attn_doctor.verdict.diagnosis import find_faulty, summarize
+    from attn_doctor.workflows.sweep import read_records
 
     records, _torn = read_records(path, "the file may be truncated or foreign", skip_blank=True)
     rows = [record.row for record in records]  # unfinished points too: this is what the sweep got to
@@ -95,7 +95,7 @@ def sort_rows(pairs):
 
 
 def depth_rows(rows: list[Row]):
-    from attn_doctor.sweep import depth_lines
+    from attn_doctor.workflows.sweep import depth_lines
 
     return depth_lines(rows)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from attn_doctor.results import RunReport
+from attn_doctor.results.document import RunReport
 
 
 def results_frame(report: RunReport) -> pd.DataFrame:

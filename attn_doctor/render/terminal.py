@@ -7,8 +7,8 @@ from rich.table import Table
 from rich.text import Text
 
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, tensor_cell
-from attn_doctor.results import Row
-from attn_doctor.verdict import TENSORS
+from attn_doctor.results.document import Row
+from attn_doctor.verdict.rule import TENSORS
 
 VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold magenta", "SKIP": "dim"}
 

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from attn_doctor.backends import BASELINE, BackendSpec
-from attn_doctor.case import Case, make_case
-from attn_doctor.errors import BadInput
-from attn_doctor.results import Row, write_atomic_bytes
-from attn_doctor.runner import Job, plan_depth_jobs, plan_jobs, plan_tp_jobs
+from attn_doctor.core.case import Case, make_case
+from attn_doctor.core.errors import BadInput
+from attn_doctor.results.document import Row, write_atomic_bytes
+from attn_doctor.execution.session import Job, plan_depth_jobs, plan_jobs, plan_tp_jobs
 
 RESULTS_FILE = "results.jsonl"
 PLOT_FILE = "depth.png"

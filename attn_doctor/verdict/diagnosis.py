@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from attn_doctor.backends import BASELINE
-from attn_doctor.results import Faulty, Row
-from attn_doctor.verdict import ERROR, FAIL, PASS, combine, judge_tensor
+from attn_doctor.results.document import Faulty, Row
+from attn_doctor.verdict.rule import ERROR, FAIL, PASS, combine, judge_tensor
 
 BASELINE_LAYOUT = "contiguous"
 

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from attn_doctor.case import Case
-from attn_doctor.errors import first_line
+from attn_doctor.core.case import Case
+from attn_doctor.core.errors import first_line
 
 
 class ReferenceStore:
@@ -94,9 +94,9 @@ class ReferenceStore:
         return tensors
 
     def _compute(self, case: Case, layers: int | None) -> tuple[torch.Tensor, ...]:
-        from attn_doctor.probe import TORCH_DTYPES, make_inputs, synchronize
-        from attn_doctor.reference import attention_reference
-        from attn_doctor.stack import float64_replica_dqs
+        from attn_doctor.probes.run import TORCH_DTYPES, make_inputs, synchronize
+        from attn_doctor.numerics.reference import attention_reference
+        from attn_doctor.probes.stack import float64_replica_dqs
 
         device = torch.device(self.device)
         if layers is not None:

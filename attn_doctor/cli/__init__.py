@@ -12,10 +12,10 @@ from typing import Any
 import click
 from rich.console import Console
 
-from attn_doctor.case import DTYPES, MASKS, Case, load_recipe, make_case
-from attn_doctor.errors import BadInput
-from attn_doctor.layouts import LAYOUTS
-from attn_doctor.results import dumps, write_atomic
+from attn_doctor.core.case import DTYPES, MASKS, Case, load_recipe, make_case
+from attn_doctor.core.errors import BadInput
+from attn_doctor.core.layouts import LAYOUTS
+from attn_doctor.results.document import dumps, write_atomic
 
 EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT = 0, 1, 2
 REPORTS_DIR = Path("reports")
@@ -169,7 +169,7 @@ def cli() -> None:
 def env(as_json: bool, no_te: bool) -> int:
     """Fingerprint this machine: GPUs, driver, CUDA, torch, both cuDNNs, TE, flash-attn, NVTE_* variables."""
     from attn_doctor.backends import te_installed
-    from attn_doctor.env import collect_env
+    from attn_doctor.machine.fingerprint import collect_env
     from attn_doctor.render.env_view import env_rich_table
 
     report = collect_env(probe_te=not no_te and te_installed())
@@ -195,7 +195,7 @@ def run(json_path: Path | None, profile: bool, nproc: int | None, tp_degree: int
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.render.env_view import env_rich_table
     from attn_doctor.render.terminal import notes_lines, results_table
-    from attn_doctor.runner import diagnose, resolve_device
+    from attn_doctor.execution.session import diagnose, resolve_device
 
     case = build_case(case_flags)
     specs = build_specs(backends, kernels)
@@ -227,9 +227,9 @@ def run(json_path: Path | None, profile: bool, nproc: int | None, tp_degree: int
 
 def _run_distributed(case, specs, device, nproc, tp, cp, cp_comm_type, timeout):
     """`run --nproc`: each backend on N torchrun ranks, judged against the baseline rank 0 measured."""
-    from attn_doctor import distributed
-    from attn_doctor.diagnosis import judge
-    from attn_doctor.runner import finish_report
+    from attn_doctor.distributed import launch as distributed
+    from attn_doctor.verdict.diagnosis import judge
+    from attn_doctor.execution.session import finish_report
 
     comm = cp_comm_type if cp > 1 else None
     distributed.validate_grid(nproc, tp, cp, comm, device)
@@ -326,9 +326,9 @@ def sweep(backends, kernels, layouts, device, timeout, resume, out_dir, workers,
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from attn_doctor import sweep as sweeping
+    from attn_doctor.workflows import sweep as sweeping
     from attn_doctor.render.terminal import depth_table, notes_lines, tally_table
-    from attn_doctor.runner import Session, finish_report, resolve_device
+    from attn_doctor.execution.session import Session, finish_report, resolve_device
 
     base, grid, depths, degrees = build_grid(grid_flags)
     cases = sweeping.expand_grid(base, grid)
@@ -408,12 +408,12 @@ def bisect(backends, kernels, layouts, device, timeout, tp, layers, from_results
     """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
     standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
     from attn_doctor import __version__
-    from attn_doctor import bisect as bisecting
-    from attn_doctor.bisect_session import bisect_probe, depth_diagnosis
+    from attn_doctor.bisect import engine as bisecting
+    from attn_doctor.bisect.driver import bisect_probe, depth_diagnosis
     from attn_doctor.render.terminal import bisect_tables
-    from attn_doctor.repro import write_repro
-    from attn_doctor.runner import Session, resolve_device
-    from attn_doctor.env import collect_env
+    from attn_doctor.bisect.repro import write_repro
+    from attn_doctor.execution.session import Session, resolve_device
+    from attn_doctor.machine.fingerprint import collect_env
 
     if repeats < 1:
         raise BadInput("--repeats takes a whole number >= 1")
@@ -469,7 +469,7 @@ def bisect(backends, kernels, layouts, device, timeout, tp, layers, from_results
 
 def _start_from_results(path: Path, index: int):
     from attn_doctor.backends import BackendSpec
-    from attn_doctor.bisect import Config
+    from attn_doctor.bisect.engine import Config
     from attn_doctor.render.report_data import load_results
 
     data = load_results(path)
@@ -527,7 +527,7 @@ def known_defects(report) -> list[str]:
 
 
 def case_defects(env, cases: list[Case]) -> list[str]:
-    from attn_doctor.known_bugs import MatchContext, describe, load_known_bugs, match_case
+    from attn_doctor.machine.known_bugs import MatchContext, describe, load_known_bugs, match_case
 
     bugs = load_known_bugs()
     context = MatchContext.from_env(env, qkv_format="sbhd")  # the format attn-doctor's TE paths use

@@ -1,6 +1,6 @@
 """Probe Transformer Engine: versions and the cuDNN that TE itself loaded.
 
-Run as ``python -m attn_doctor.te_probe`` in a fresh process (importing TE can fail,
+Run as ``python -m attn_doctor.machine.te_probe`` in a fresh process (importing TE can fail,
 or poison a process that already loaded another cuDNN); it prints one JSON object on
 its last stdout line. A worker that already imported TE can call
 :func:`probe_loaded_te` in-process instead.
@@ -18,7 +18,7 @@ import re
 import sys
 import warnings
 
-from attn_doctor.errors import first_line
+from attn_doctor.core.errors import first_line
 
 PROBE_KEYS = ("te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "error")
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from attn_doctor.backends import BASELINE, BackendSpec
-from attn_doctor.bisect import BisectResult, Config, Outcome, Probe
-from attn_doctor.diagnosis import BASELINE_LAYOUT
-from attn_doctor.results import Row
-from attn_doctor.runner import Job, Session, plan_depth_jobs, plan_jobs
-from attn_doctor.verdict import MULTIPLE
+from attn_doctor.bisect.engine import BisectResult, Config, Outcome, Probe
+from attn_doctor.verdict.diagnosis import BASELINE_LAYOUT
+from attn_doctor.results.document import Row
+from attn_doctor.execution.session import Job, Session, plan_depth_jobs, plan_jobs
+from attn_doctor.verdict.rule import MULTIPLE
 
 
 def config_jobs(config: Config, spec: BackendSpec) -> list[Job]:

@@ -12,9 +12,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from attn_doctor.bisect import Config
-from attn_doctor.env import EnvReport
-from attn_doctor.verdict import EPS, FLOOR_EPS, MULTIPLE
+from attn_doctor.bisect.engine import Config
+from attn_doctor.machine.fingerprint import EnvReport
+from attn_doctor.verdict.rule import EPS, FLOOR_EPS, MULTIPLE
 
 HEADER = '''#!/usr/bin/env python3
 """Repro: {title}

@@ -47,8 +47,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from attn_doctor.case import Case
-from attn_doctor.env import EnvReport
+from attn_doctor.core.case import Case
+from attn_doctor.machine.fingerprint import EnvReport
 
 SYMPTOMS = ("wrong gradient", "wrong output", "NaN", "illegal memory access", "backend disabled")
 COMPONENTS = ("cuDNN", "TE", "flash-attn")

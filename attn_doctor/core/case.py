@@ -14,11 +14,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from attn_doctor.errors import BadInput
+from attn_doctor.core.errors import BadInput
 
 DTYPES = ("bf16", "fp16", "fp32")
 MASKS = ("causal", "none")
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @dataclass(frozen=True)

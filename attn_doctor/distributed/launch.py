@@ -1,7 +1,7 @@
 """Real tensor and context parallelism: launch N ranks with torchrun, gather their shards, judge them.
 
 `launch` starts `python -m torch.distributed.run --standalone --nproc-per-node N -m
-attn_doctor.distributed_rank JOB.json` (PyTorch's own launcher and process groups: gloo on the CPU,
+attn_doctor.distributed.rank JOB.json` (PyTorch's own launcher and process groups: gloo on the CPU,
 NCCL on CUDA with rank r on cuda:LOCAL_RANK) and reads back what rank 0 wrote. What each rank does is
 described in distributed_rank.py; in short:
 
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from attn_doctor.backends import BASELINE, BackendSpec, te_installed
-from attn_doctor.case import Case, tp_unsupported
-from attn_doctor.errors import BadInput
-from attn_doctor.metrics import TensorMetrics
-from attn_doctor.pool import STARTUP_TIMEOUT_S, child_env, describe_exit
-from attn_doctor.results import Row
-from attn_doctor.verdict import ERROR, FAIL, PASS, SKIP, TensorVerdict, judge_tensor
+from attn_doctor.core.case import Case, tp_unsupported
+from attn_doctor.core.errors import BadInput
+from attn_doctor.numerics.metrics import TensorMetrics
+from attn_doctor.execution.pool import STARTUP_TIMEOUT_S, child_env, describe_exit
+from attn_doctor.results.document import Row
+from attn_doctor.verdict.rule import ERROR, FAIL, PASS, SKIP, TensorVerdict, judge_tensor
 
 COMM_TYPES = ("all_gather", "p2p", "a2a")
 RANK_LAYOUT = "tp fastest (Megatron order): rank = cp_rank * tp + tp_rank"
@@ -264,7 +264,7 @@ def apply_rank_verdicts(row: Row) -> Row:
 
 def judge_outcome(outcome: DistributedOutcome) -> Row:
     """The outcome's row judged against the local baseline rank 0 measured (standalone use and tests)."""
-    from attn_doctor.diagnosis import judge
+    from attn_doctor.verdict.diagnosis import judge
 
     row = to_row(outcome)
     base = baseline_row(outcome)
@@ -431,7 +431,7 @@ def _launch_once(requests: list[tuple[BackendSpec, Case]], *, nproc: int, tp: in
         job_path = folder / "job.json"
         job_path.write_text(json.dumps(job))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "-m", "attn_doctor.distributed_rank", str(job_path)]
+                   "-m", "attn_doctor.distributed.rank", str(job_path)]
         launch = _Launch(folder, nproc)
         hung: str | None = None
         with open(folder / "torchrun.log", "wb") as log:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -62,7 +62,7 @@ class Worker:
         self._stderr.seek(0)
         self._stderr.truncate()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "attn_doctor.worker", self.family, self.device],
+            [sys.executable, "-m", "attn_doctor.execution.worker", self.family, self.device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

@@ -1,6 +1,6 @@
 """The worker process: serves one backend family's probes, one JSON line in, one JSON line out.
 
-Run as `python -m attn_doctor.worker FAMILY DEVICE`. It answers {"hello": ...} once set up, then one
+Run as `python -m attn_doctor.execution.worker FAMILY DEVICE`. It answers {"hello": ...} once set up, then one
 reply per request. Replies go to a private copy of the original stdout; fd 1 is pointed at stderr so
 that whatever a library prints cannot corrupt the protocol. A CUDA error may leave the context
 unusable, so after one the worker replies with "fatal": true and exits; the parent starts a new one.
@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 
-from attn_doctor.errors import first_line
+from attn_doctor.core.errors import first_line
 
 
 def _protocol_stream():
@@ -45,16 +45,16 @@ def main(argv: list[str]) -> int:
             load_te()
         except Exception as exc:  # noqa: BLE001 - any import failure becomes the rows' SKIP reason
             hello["import_error"] = first_line(exc)
-        from attn_doctor.te_probe import probe_loaded_te
+        from attn_doctor.machine.te_probe import probe_loaded_te
 
         hello["te_facts"] = probe_loaded_te()
 
     import torch
 
     from attn_doctor.backends import BackendSpec, build
-    from attn_doctor.case import Case
-    from attn_doctor.probe import CaseCache, DepthCache, run_depth_probe, run_probe, run_tp_probe
-    from attn_doctor.shared_reference import open_tensors
+    from attn_doctor.core.case import Case
+    from attn_doctor.probes.run import CaseCache, DepthCache, run_depth_probe, run_probe, run_tp_probe
+    from attn_doctor.execution.shared_reference import open_tensors
 
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is not None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from attn_doctor.metrics import TensorMetrics
+from attn_doctor.numerics.metrics import TensorMetrics
 
 PASS, FAIL, SKIP, ERROR = "PASS", "FAIL", "SKIP", "ERROR"
 TENSORS = ("out", "dq", "dk", "dv")

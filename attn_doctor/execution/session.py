@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_doctor.backends import BASELINE, BackendSpec, te_installed
-from attn_doctor.case import Case
-from attn_doctor.diagnosis import BASELINE_LAYOUT, judge
-from attn_doctor.metrics import TensorMetrics
-from attn_doctor.pool import Worker
-from attn_doctor.results import Row, RunReport
-from attn_doctor.verdict import ERROR, SKIP
+from attn_doctor.core.case import Case
+from attn_doctor.verdict.diagnosis import BASELINE_LAYOUT, judge
+from attn_doctor.numerics.metrics import TensorMetrics
+from attn_doctor.execution.pool import Worker
+from attn_doctor.results.document import Row, RunReport
+from attn_doctor.verdict.rule import ERROR, SKIP
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -141,7 +141,7 @@ class Session:
     inputs and maps its shared reference once; families, and the workers of a family, run concurrently."""
 
     def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int = 1):
-        from attn_doctor.shared_reference import ReferenceStore
+        from attn_doctor.execution.shared_reference import ReferenceStore
 
         self.device = device
         self.timeout_s = timeout_s
@@ -297,7 +297,7 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        from attn_doctor.errors import BadInput
+        from attn_doctor.core.errors import BadInput
 
         raise BadInput(f"--device {name}: torch sees no CUDA GPU here; use --device cpu or auto")
     return name
@@ -344,8 +344,8 @@ def finish_report(rows: list[Row], device: str, command: str, te_facts: dict | N
     import datetime
 
     from attn_doctor import __version__
-    from attn_doctor.diagnosis import find_faulty, summarize
-    from attn_doctor.env import collect_env
+    from attn_doctor.verdict.diagnosis import find_faulty, summarize
+    from attn_doctor.machine.fingerprint import collect_env
 
     env = collect_env(te_facts=te_facts, probe_te=te_facts is None and te_installed())
     faulty = find_faulty(rows)

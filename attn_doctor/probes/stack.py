@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from attn_doctor.case import Case
-from attn_doctor.reference import Float64Attention
+from attn_doctor.core.case import Case
+from attn_doctor.numerics.reference import Float64Attention
 
 # attention(q, k, v) on sbhd tensors [s, b, heads, d] -> out [s, b, heads, d]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

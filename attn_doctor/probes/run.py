@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attn_doctor import layouts
+from attn_doctor.core import layouts
 from attn_doctor.backends import Backend, Unsupported
-from attn_doctor.case import Case, tp_shard, tp_unsupported
-from attn_doctor.metrics import TensorMetrics, compare
-from attn_doctor.reference import Reference, attention_reference
+from attn_doctor.core.case import Case, tp_shard, tp_unsupported
+from attn_doctor.numerics.metrics import TensorMetrics, compare
+from attn_doctor.numerics.reference import Reference, attention_reference
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -229,7 +229,7 @@ class DepthCache:
 
     def get(self, case: Case, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from attn_doctor.backends import BASELINE, BackendSpec, build
-        from attn_doctor.stack import float64_replica_dqs, make_stack, run_stack
+        from attn_doctor.probes.stack import float64_replica_dqs, make_stack, run_stack
 
         key = (case.key(), layers)
         if key != self._key:
@@ -257,7 +257,7 @@ class DepthCache:
 def run_depth_probe(backend: Backend, case: Case, layers: int, tp: int, cache: DepthCache) -> ProbeOutcome:
     """dQ at every layer of an L-layer stack with `backend` as core attention (TP shards inside), against
     the float64 replica and against the local baseline's stack; metrics for the first and last layer."""
-    from attn_doctor.stack import make_stack, run_stack
+    from attn_doctor.probes.stack import make_stack, run_stack
 
     device = cache.device
     why_not = tp_unsupported(case, tp)

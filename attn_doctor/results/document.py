@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attn_doctor.case import Case
-from attn_doctor.env import EnvReport
-from attn_doctor.errors import BadInput
-from attn_doctor.metrics import TensorMetrics
-from attn_doctor.verdict import TensorVerdict
+from attn_doctor.core.case import Case
+from attn_doctor.machine.fingerprint import EnvReport
+from attn_doctor.core.errors import BadInput
+from attn_doctor.numerics.metrics import TensorMetrics
+from attn_doctor.verdict.rule import TensorVerdict
 
 FORMAT = "attn-doctor/results"
 FORMAT_VERSION = 1

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from attn_doctor.case import DTYPES, Case, tp_unsupported
-from attn_doctor.errors import BadInput
-from attn_doctor.layouts import layout_unsupported
+from attn_doctor.core.case import DTYPES, Case, tp_unsupported
+from attn_doctor.core.errors import BadInput
+from attn_doctor.core.layouts import layout_unsupported
 
 
 @dataclass(frozen=True)

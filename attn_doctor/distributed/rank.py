@@ -1,4 +1,4 @@
-"""One rank of a distributed probe: `python -m attn_doctor.distributed_rank JOB.json`, started by torchrun.
+"""One rank of a distributed probe: `python -m attn_doctor.distributed.rank JOB.json`, started by torchrun.
 
 The job (written by distributed.launch) lists probes (backend, case) for one rank grid: nproc = tp * cp
 ranks, TP fastest (rank = cp_rank * tp + tp_rank), real process groups from new_group for every TP and
@@ -49,10 +49,10 @@ import time
 import traceback
 from pathlib import Path
 
-from attn_doctor import distributed as grid
-from attn_doctor.case import tp_shard
-from attn_doctor.errors import first_line
-from attn_doctor.results import write_atomic
+from attn_doctor.distributed import launch as grid
+from attn_doctor.core.case import tp_shard
+from attn_doctor.core.errors import first_line
+from attn_doctor.results.document import write_atomic
 
 TENSORS = grid.TENSORS
 
@@ -312,7 +312,7 @@ def _local_masked(q, k, v, visible, case):
 def _padded(backend, q, k, v, positions, case):
     """A kernel without a mask argument: queries at their global positions in a zero query sequence, the
     kernel causal over the full length, the rows of this rank's queries kept."""
-    from attn_doctor import layouts
+    from attn_doctor.core import layouts
 
     fmt = backend.qkv_format
     full = q.new_zeros(q.shape[0], k.shape[1], *q.shape[2:]).index_copy(1, positions, q)
@@ -331,7 +331,7 @@ def attend_at(backend, q, k, v, positions, case):
     """out for queries q at global `positions` against the full k, v (bshd), with the case's mask."""
     import torch
 
-    from attn_doctor.reference import allowed_mask
+    from attn_doctor.numerics.reference import allowed_mask
 
     if backend.spec.family == "kernel":
         return _padded(backend, q, k, v, positions, dataclasses.replace(case, seq=k.shape[1]))
@@ -366,7 +366,7 @@ def shard_inputs(ctx: Context, case, inputs):
 
 def run_tp_only(ctx, backend, case, shard_case, q, k, v, dout):
     """cp == 1: the backend on this rank's head shard, no communication."""
-    from attn_doctor import layouts
+    from attn_doctor.core import layouts
 
     torch, fmt = ctx.torch, backend.qkv_format
 
@@ -411,7 +411,7 @@ def run_cp_gather(ctx, backend, case, shard_case, q, k, v, dout, ring: bool):
 def run_cp_a2a(ctx, backend, case, shard_case, q, k, v, dout):
     """CP a2a (Ulysses): sequence shards -> head shards over the full sequence, the backend unchanged,
     and back."""
-    from attn_doctor import layouts
+    from attn_doctor.core import layouts
 
     torch, seq, fmt = ctx.torch, case.seq, backend.qkv_format
     ctx.collective("all_to_all of q, k, v, dout")
@@ -491,7 +491,7 @@ class TEShards:
 
 def _single(torch, backend, case, inputs):
     """The backend on the full tensors in one process (contiguous, its own format): bshd out, dq, dk, dv."""
-    from attn_doctor import layouts
+    from attn_doctor.core import layouts
 
     fmt = backend.qkv_format
     leaves = [layouts.to_format(t, fmt).contiguous().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
@@ -518,8 +518,8 @@ class Prober:
     def run(self, probe: dict) -> dict | None:
         """Every rank runs this; rank 0 returns the result, the others None."""
         from attn_doctor.backends import BackendSpec
-        from attn_doctor.case import Case
-        from attn_doctor.probe import make_inputs, synchronize
+        from attn_doctor.core.case import Case
+        from attn_doctor.probes.run import make_inputs, synchronize
 
         ctx, torch = self.ctx, self.ctx.torch
         spec, case = BackendSpec.from_dict(probe["backend"]), Case.from_dict(probe["case"])
@@ -584,8 +584,8 @@ class Prober:
                     "detail": traceback.format_exc(limit=8)}
 
     def analyse(self, spec, backend, case, inputs, gathered, rans, method, kernel_s) -> dict:
-        from attn_doctor.metrics import compare
-        from attn_doctor.probe import relative_distance, synchronize
+        from attn_doctor.numerics.metrics import compare
+        from attn_doctor.probes.run import relative_distance, synchronize
 
         ctx, torch = self.ctx, self.ctx.torch
         hq, hkv = case.heads // ctx.tp, case.num_kv_heads // ctx.tp
@@ -647,8 +647,8 @@ class Prober:
         """Rank 0: the float64 reference and the local baseline's single-process run of `case`, with their
         seconds; computed for the case's first probe and kept for its other backends."""
         from attn_doctor.backends import BASELINE, BackendSpec
-        from attn_doctor.probe import synchronize
-        from attn_doctor.reference import attention_reference
+        from attn_doctor.probes.run import synchronize
+        from attn_doctor.numerics.reference import attention_reference
 
         if self._case_key != case.key():
             self._case_runs = None  # free the previous case first

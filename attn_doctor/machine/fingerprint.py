@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attn_doctor.te_probe import decode_cudnn_version, dist_version, te_package_versions
+from attn_doctor.machine.te_probe import decode_cudnn_version, dist_version, te_package_versions
 
 #: Command that runs the TE probe; tests replace it. Must print a JSON object last on stdout.
-TE_PROBE_CMD: list[str] = [sys.executable, "-m", "attn_doctor.te_probe"]
+TE_PROBE_CMD: list[str] = [sys.executable, "-m", "attn_doctor.machine.te_probe"]
 
 ENV_PREFIXES = ("NVTE_", "CUDNN_", "CUDA_", "TORCH_", "PYTORCH_", "NCCL_")
 ENV_DENY = ("SECRET", "TOKEN", "PASSWORD", "KEY", "API")
@@ -243,7 +243,7 @@ def _run_te_probe(cmd: Sequence[str], timeout_s: float) -> dict:
     """Run the probe command; returns its JSON dict, or ``{"error": why}``."""
     env = dict(os.environ)
     # The probe must import this package even when it is not installed (run from a checkout).
-    pkg_root = str(Path(__file__).resolve().parent.parent)
+    pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONWARNINGS", "ignore")
     try:
@@ -396,7 +396,7 @@ def collect_env(
 ) -> EnvReport:
     """Collect the machine fingerprint; never raises.
 
-    ``te_facts``: a dict from :func:`attn_doctor.te_probe.probe_loaded_te` produced in a
+    ``te_facts``: a dict from :func:`attn_doctor.machine.te_probe.probe_loaded_te` produced in a
     process that already imported TE; used instead of spawning the probe.
     ``probe_cmd``: overrides :data:`TE_PROBE_CMD`.
     """
