@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from attn_doctor.bisect.engine import Bisector, Config, NothingToBisect, Outcome, valid_config
+from attn_doctor.bisect.engine import Bisector, NothingToBisect, Outcome, valid_config
+from attn_doctor.bisect.knobs import coords_at
+from attn_doctor.core.coords import Coords
 from attn_doctor.core.case import Case, make_case
 from cli_checks import one_line_error
 
@@ -33,7 +35,7 @@ def _recording(predicate, calls=None):
     """probe(config) -> FAIL when predicate(config) else PASS; every call appended to `calls`."""
     calls = [] if calls is None else calls
 
-    def probe(config: Config) -> Outcome:
+    def probe(config: Coords) -> Outcome:
         calls.append(config)
         return Outcome("FAIL", "dq: error 0.05 > 3 x baseline 0.004", ("dq",)) if predicate(config) else Outcome("PASS")
 
@@ -46,17 +48,17 @@ def _necessary(result) -> dict[str, tuple]:
     return {c.knob: (c.failing_value, c.passing_value) for c in result.necessary}
 
 
-def _gqa(config: Config) -> bool:
+def _gqa(config: Coords) -> bool:
     return config.case.num_kv_heads < config.case.heads
 
 
-def four_conditions(config: Config) -> bool:
+def four_conditions(config: Coords) -> bool:
     """seq >= 513, batch >= 3, a non-contiguous layout and GQA, all four needed."""
     case = config.case
     return case.seq >= 513 and case.batch >= 3 and config.layout != "contiguous" and _gqa(config)
 
 
-BIG_START = Config(make_case(batch=4, seq=1024, heads=8, kv_heads=2, head_dim=64, dtype="bf16", mask="causal"),
+BIG_START = coords_at(make_case(batch=4, seq=1024, heads=8, kv_heads=2, head_dim=64, dtype="bf16", mask="causal"),
                    "head_slice")
 
 
@@ -101,7 +103,7 @@ def test_engine_to_dict_has_the_json_shape():
     (20, 13, 14, "13"),  # not a multiple of 8: steps of 1, exact value
 ])
 def test_engine_head_dim_boundary(start_dim, threshold, failing, passing):
-    start = Config(make_case(batch=2, seq=64, heads=4, head_dim=start_dim, dtype="fp32", mask="none"))
+    start = coords_at(make_case(batch=2, seq=64, heads=4, head_dim=start_dim, dtype="fp32", mask="none"))
     probe, calls = _recording(lambda c: c.case.head_dim > threshold)
     result = Bisector(probe, valid=valid_config).run(start)
     assert _necessary(result) == {"head_dim": (failing, passing)}
@@ -111,7 +113,7 @@ def test_engine_head_dim_boundary(start_dim, threshold, failing, passing):
 
 def test_engine_respects_what_the_backend_accepts():
     """A kernel taking head dims in multiples of 16 only: the search never probes 8, 24, 40, 56."""
-    start = Config(make_case(batch=1, seq=8, heads=2, head_dim=64, dtype="fp32", mask="none"))
+    start = coords_at(make_case(batch=1, seq=8, heads=2, head_dim=64, dtype="fp32", mask="none"))
     accepts = lambda c: c.case.head_dim % 16 == 0  # noqa: E731
     probe, calls = _recording(lambda c: c.case.head_dim > 20)
     result = Bisector(probe, valid=accepts).run(start)
@@ -120,7 +122,7 @@ def test_engine_respects_what_the_backend_accepts():
 
 
 def test_engine_tp_condition_keeps_heads_divisible():
-    start = Config(make_case(batch=2, seq=32, heads=8, kv_heads=4, head_dim=16, dtype="bf16"), "head_slice", tp=2)
+    start = coords_at(make_case(batch=2, seq=32, heads=8, kv_heads=4, head_dim=16, dtype="bf16"), "head_slice", tp=2)
     probe, calls = _recording(lambda c: c.tp >= 2)
     result = Bisector(probe, valid=valid_config).run(start)
     assert _necessary(result) == {"tp": (2, "1")}
@@ -131,7 +133,7 @@ def test_engine_tp_condition_keeps_heads_divisible():
 
 def test_engine_categorical_values_toward_the_plainest_dtype():
     """Every dtype fails: the plainest (fp32) is adopted; only fp16 fails: dtype is necessary, both others pass."""
-    start = Config(make_case(batch=1, seq=4, heads=1, head_dim=8, dtype="fp16", mask="none"))
+    start = coords_at(make_case(batch=1, seq=4, heads=1, head_dim=8, dtype="fp16", mask="none"))
     probe, _ = _recording(lambda c: True)
     assert Bisector(probe).run(start).minimal.case.dtype == "fp32"
     probe, _ = _recording(lambda c: c.case.dtype == "fp16")
@@ -147,18 +149,18 @@ class _EveryOtherCall:
     def __init__(self, condition, odd: bool = True):
         self.condition, self.odd, self.count = condition, odd, 0
 
-    def __call__(self, config: Config) -> Outcome:
+    def __call__(self, config: Coords) -> Outcome:
         self.count += 1
         if self.condition(config) and (self.count % 2 == 1) == self.odd:
             return Outcome("FAIL", "dq: error 0.05 > 3 x baseline 0.004")
         return Outcome("PASS")
 
 
-def _seq_and_layout(config: Config) -> bool:
+def _seq_and_layout(config: Coords) -> bool:
     return config.case.seq >= 300 and config.layout != "contiguous"
 
 
-SEQ_START = Config(make_case(batch=2, seq=320, heads=4, kv_heads=2, head_dim=16, dtype="fp16"), "head_slice")
+SEQ_START = coords_at(make_case(batch=2, seq=320, heads=4, kv_heads=2, head_dim=16, dtype="fp16"), "head_slice")
 
 
 def test_engine_repeats_guards_against_a_nondeterministic_kernel():
@@ -193,7 +195,7 @@ def test_engine_error_start_counts_only_the_same_error_class(same_a, same_b, oth
     """From a crashing start: a probe that crashes the same way (same class, other details) still fails; one
     that crashes differently (layout contiguous here) does not, so it makes a necessary condition."""
 
-    def probe(config: Config) -> Outcome:
+    def probe(config: Coords) -> Outcome:
         case = config.case
         if config.layout == "contiguous":
             return Outcome("ERROR", other)
@@ -203,7 +205,7 @@ def test_engine_error_start_counts_only_the_same_error_class(same_a, same_b, oth
             return Outcome("ERROR", same_b)
         return Outcome("PASS")
 
-    start = Config(make_case(batch=4, seq=129, heads=2, head_dim=16, dtype="bf16"), "head_slice")
+    start = coords_at(make_case(batch=4, seq=129, heads=2, head_dim=16, dtype="bf16"), "head_slice")
     result = Bisector(probe, valid=valid_config).run(start)
     necessary = _necessary(result)
     assert set(necessary) == {"layout", "batch"}
@@ -218,7 +220,7 @@ def test_engine_error_start_counts_only_the_same_error_class(same_a, same_b, oth
 def test_engine_start_that_does_not_fail_raises_nothing_to_bisect(verdict):
     calls = []
 
-    def probe(config: Config) -> Outcome:
+    def probe(config: Coords) -> Outcome:
         calls.append(config)
         return Outcome(verdict, "not on this device" if verdict == "SKIP" else "")
 
@@ -230,7 +232,7 @@ def test_engine_start_that_does_not_fail_raises_nothing_to_bisect(verdict):
 def test_engine_every_categorical_knob_left_unsimplified_is_named():
     """An either-or fault (causal mask OR bf16): the minimizer keeps one of the two, and simplifying that one
     from the minimal case makes the failure disappear, so it must be a necessary condition."""
-    start = Config(make_case(batch=1, seq=8, heads=1, head_dim=8, dtype="bf16", mask="causal"))
+    start = coords_at(make_case(batch=1, seq=8, heads=1, head_dim=8, dtype="bf16", mask="causal"))
     probe, _ = _recording(lambda c: c.case.mask == "causal" or c.case.dtype == "bf16")
     result = Bisector(probe).run(start)
     minimal = result.minimal.case
@@ -240,7 +242,7 @@ def test_engine_every_categorical_knob_left_unsimplified_is_named():
 
 
 def test_engine_names_each_knob_once():
-    start = Config(make_case(batch=1, seq=8, heads=1, head_dim=8, dtype="fp32", mask="none"), "contiguous", layers=12)
+    start = coords_at(make_case(batch=1, seq=8, heads=1, head_dim=8, dtype="fp32", mask="none"), "contiguous", layers=12)
     probe, _ = _recording(lambda c: c.layers >= 5)
     result = Bisector(probe).run(start)
     assert result.minimal.layers == 5

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from attn_doctor.distributed import launch as D
+from attn_doctor import distributed as D
 from attn_doctor.backends import BackendSpec, build
 from attn_doctor.backends.kernel import parse_kernel_spec
 from attn_doctor.core.case import make_case
-from attn_doctor.verdict.diagnosis import judge
+from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import BadInput
-from attn_doctor.results.document import Row
+from attn_doctor.results.row import Row
+from attn_doctor.verdict.judge import judge
 from attn_doctor.verdict.rule import ERROR, FAIL, PASS, SKIP
 
 RANK_FAULTS = Path(__file__).resolve().parent / "kernels" / "rank_faults.py"
@@ -51,8 +52,8 @@ def cp2_all_gather():
 
 
 def judged(outcome: D.DistributedOutcome) -> Row:
-    row = D.judge_outcome(outcome)
-    assert row.coords == {"probe": "distributed", "nproc": outcome.nproc, "tp": outcome.tp, "cp": outcome.cp,
+    row = D.judged_rows([outcome])[-1]
+    assert row.coords.params() == {"probe": "distributed", "nproc": outcome.nproc, "tp": outcome.tp, "cp": outcome.cp,
                           "cp_comm_type": outcome.cp_comm_type}
     return row
 
@@ -147,14 +148,13 @@ def test_distributed_row_is_judged_against_the_plain_single_call_baseline(tp2):
     """diagnosis.judge, as the CLI calls it, pairs the distributed row with the ordinary baseline row."""
     import torch
 
-    from attn_doctor.probes.run import CaseCache, run_probe
+    from attn_doctor.probes import Caches, run_probe
 
-    measured = run_probe(build(LOCAL), CAUSAL, "contiguous", CaseCache(torch.device("cpu")))
-    baseline = Row("local", "local", "contiguous", CAUSAL, "", metrics=measured.metrics)  # as runner makes it
+    measured = run_probe(build(LOCAL), Coords.call(CAUSAL, LOCAL), Caches(torch.device("cpu")))
+    baseline = Row(Coords.call(CAUSAL, LOCAL), "", metrics=measured.metrics)  # as the session makes it
     good, bad = D.to_row(tp2[0]), D.to_row(tp2[3])
-    judge([baseline, good, bad])
+    judge([baseline, good, bad])  # and names the ranks whose shards fail
     assert good.verdict == PASS and bad.verdict == FAIL
-    D.apply_rank_verdicts(bad)
     assert "rank 1" in bad.reason
     again = Row.from_dict(bad.to_dict())  # the row survives the results JSON
     assert again.coords == bad.coords and again.extra["ranks"][1]["failing"] == ["dq"]

@@ -1,6 +1,6 @@
 """Numerics on CPU: the float64 reference, the metrics, the verdict rule, and real and faulty kernels.
 
-Kernels run through `runner.run_jobs`, i.e. in real worker processes exactly as `attn-doctor run` runs them.
+Kernels run through a `Session`, i.e. in real worker processes exactly as `attn-doctor run` runs them.
 """
 
 from __future__ import annotations
@@ -18,11 +18,20 @@ from attn_doctor.verdict.diagnosis import find_faulty, summarize
 from attn_doctor.core.layouts import LAYOUTS
 from attn_doctor.numerics.metrics import TensorMetrics, compare
 from attn_doctor.numerics.reference import attention_reference, naive_reference
-from attn_doctor.execution.session import plan_jobs, run_jobs
+from attn_doctor.execution.session import Session
+from attn_doctor.probes.plan import plan_calls
 from attn_doctor.verdict.rule import EPS, FAIL, PASS, SKIP, TENSORS, judge_tensor
 
 FAULTY_NAMES = ("correct_fp32", "dq_two_percent", "causal_shift_backward", "nan_one_head_dk", "ignores_strides")
 VIEW_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "contiguous")
+
+
+def _run(cases, specs, layouts, session=None):
+    """Judged rows of every backend x layout on each case, in real worker processes."""
+    if session is None:
+        with Session("cpu", timeout_s=120) as session:
+            return _run(cases, specs, layouts, session)
+    return [row for case in cases for row in session.run(plan_calls(case, specs, layouts))]
 
 
 def _randn(*shape, seed, dtype=torch.float64):
@@ -271,8 +280,7 @@ REAL_SPECS = [
 
 @pytest.fixture(scope="module")
 def real_rows():
-    jobs = plan_jobs(REAL_CASES, REAL_SPECS, ["contiguous", "sbh3d_packed", "head_slice", "transposed"])
-    return run_jobs(jobs, "cpu", timeout_s=120).rows
+    return _run(REAL_CASES, REAL_SPECS, ["contiguous", "sbh3d_packed", "head_slice", "transposed"])
 
 
 def test_real_cpu_kernels_pass(real_rows):
@@ -303,10 +311,8 @@ def test_every_probe_measures_against_the_one_shared_reference(real_rows):
 
 
 def _run_one_case():
-    from attn_doctor.execution.session import Session
-
     with Session("cpu", timeout_s=120) as session:
-        rows = session.run(plan_jobs(REAL_CASES[:1], REAL_SPECS, ["contiguous", "transposed"]))
+        rows = _run(REAL_CASES[:1], REAL_SPECS, ["contiguous", "transposed"], session)
         return rows, session.references
 
 
@@ -338,7 +344,7 @@ def test_workers_compute_the_reference_when_sharing_fails(monkeypatch):
 def test_real_cpu_kernels_summary(real_rows):
     faulty = find_faulty(real_rows)
     assert faulty == []
-    assert summarize(real_rows, faulty).startswith("All ")
+    assert summarize(real_rows).startswith("All ")
 
 
 # --- faulty kernels, passed as --kernel targets --------------------------------------------------------------
@@ -352,9 +358,9 @@ FAULTY_CASES = [
 @pytest.fixture(scope="module")
 def faulty_outcome(faulty_path):
     specs = [parse_kernel_spec(f"{faulty_path}:{name}") for name in FAULTY_NAMES]
-    rows = run_jobs(plan_jobs(FAULTY_CASES, specs, list(LAYOUTS)), "cpu", timeout_s=120).rows
+    rows = _run(FAULTY_CASES, specs, list(LAYOUTS))
     faulty = find_faulty(rows)
-    return rows, faulty, summarize(rows, faulty)
+    return rows, faulty, summarize(rows)
 
 
 def _rows_of(rows, backend):

@@ -29,9 +29,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from attn_doctor import cli as cli_module
+from attn_doctor.cli import known as cli_known
 from attn_doctor.render.markdown import escape as md_escape
-from attn_doctor.results.document import RunReport
+from attn_doctor.results.report import RunReport
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data" / "results-fixed.json"
@@ -64,7 +64,7 @@ def report(doc) -> RunReport:
 
 @pytest.fixture
 def fixed_known(monkeypatch):
-    monkeypatch.setattr(cli_module, "known_defects", lambda report: list(KNOWN))
+    monkeypatch.setattr(cli_known, "known_defects", lambda report: list(KNOWN))
 
 
 @pytest.fixture
@@ -293,8 +293,8 @@ def test_fixed_document_covers_what_the_report_must_show(report):
     assert report.env is not None and report.env.gpus[0].name == "NVIDIA H200" and report.env.gpus[0].sm == "sm_90"
     assert report.env.te_cudnn.value.startswith("9.14.0") and "differs" in report.env.te_cudnn.note
     assert report.env.env_vars["NVTE_DEBUG"] == "1"
-    depth = [row for row in report.rows if row.coords.get("probe") == "depth"]
-    assert {row.coords["layers"] for row in depth} == {1, 2}
+    depth = [row for row in report.rows if row.coords.params().get("probe") == "depth"]
+    assert {row.coords.params()["layers"] for row in depth} == {1, 2}
     assert all(set(row.tensors) == {"dq_first", "dq_last"} for row in depth)
     (hostile,) = [row for row in report.rows if row.backend == HOSTILE_BACKEND]
     assert (hostile.ran, hostile.reason, hostile.verdict) == (HOSTILE_RAN, HOSTILE_REASON, "FAIL")
@@ -361,7 +361,7 @@ def test_markdown_failing_rows_come_first(render, report):
     ranks = [0 if v in FAILING else 1 for v in verdicts]
     assert ranks == sorted(ranks), verdicts
     assert verdicts[-1] == "SKIP"
-    assert len(body) == len([r for r in report.rows if r.coords.get("probe") != "depth"]) - 1  # te.flash: "all"
+    assert len(body) == len([r for r in report.rows if r.coords.params().get("probe") != "depth"]) - 1  # te.flash: "all"
 
 
 def test_markdown_shows_errors_in_units_of_epsilon(render, report):
@@ -370,7 +370,7 @@ def test_markdown_shows_errors_in_units_of_epsilon(render, report):
     column = header.index("dQ err / ε")
     layout = header.index("layout")
     for row in measured(report):
-        if row.coords.get("probe") == "depth":
+        if row.coords.params().get("probe") == "depth":
             continue
         (line,) = [cells for cells in body if cells[0] == md_escape(row.backend) and cells[layout] == row.layout]
         assert line[column] == f"{row.tensors['dq'].err_in_eps:.2f}"
@@ -532,7 +532,7 @@ def test_csv_one_row_per_backend_case_tensor(render, report):
     for row in measured(report):
         for name, verdict in row.tensors.items():
             (rec,) = [r for r in records if r["backend"] == row.backend and r["layout"] == row.layout
-                      and r["tensor"] == name and r["coord_layers"] == str(row.coords.get("layers", ""))]
+                      and r["tensor"] == name and r["coord_layers"] == str(row.coords.params().get("layers", ""))]
             assert rec["verdict"] == verdict.verdict
             assert rec["row_verdict"] == row.verdict
             assert float(rec["rel_err"]) == pytest.approx(verdict.rel_err, rel=1e-5)

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from attn_doctor.backends import resolve
+from attn_doctor.backends import select
 from attn_doctor.core.case import make_case
-from attn_doctor.execution.session import Session, plan_depth_jobs, plan_jobs
+from attn_doctor.execution.session import Session
+from attn_doctor.probes.plan import plan_calls, plan_depth
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
 
@@ -31,13 +32,13 @@ def test_parent_frees_every_shared_reference():
     cases = [make_case(batch=4, seq=2048, heads=16, head_dim=128, dtype="bf16", mask="causal", seed=seed)
              for seed in range(3)]
     reference_bytes = 4 * 4 * 2048 * 16 * 128 * 8
-    specs = resolve(["sdpa", "local"])
-    groups = [plan_jobs([case], specs, ["contiguous", "transposed"]) for case in cases]
+    specs = select(["sdpa", "local"])
+    groups = [plan_calls(case, specs, ["contiguous", "transposed"]) for case in cases]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with Session("cuda", timeout_s=300, workers_per_family=2) as session:
         rows = [row for group in session.run_groups(groups) for row in group]
-        depth_rows = session.run(plan_depth_jobs(cases[0], specs, [2], [1]))
+        depth_rows = session.run(plan_depth(cases[0], specs, [2], [1]))
     torch.cuda.ipc_collect()
     assert session.references.computed == len(cases) + 1
     ran = [row for row in rows + depth_rows if row.verdict != "SKIP"]

@@ -21,11 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attn_doctor.cli.options import build_grid
+from attn_doctor.core.case import expand_grid, make_case
 from attn_doctor.probes import stack as stacking
-from attn_doctor.workflows import sweep as sweeping
-from attn_doctor.core.case import make_case
-from attn_doctor.cli import build_grid
-from attn_doctor.results.document import read_report
+from attn_doctor.probes.plan import plan_points
+from attn_doctor.results.log import RESULTS_FILE, ResultsLog
+from attn_doctor.results.report import read_report
+from attn_doctor.verdict.depth import depth_findings, depth_lines
+from attn_doctor.workflows.sweep import PLOT_FILE
 from cli_checks import one_line_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -222,7 +225,7 @@ def test_correct_kernels_pass_at_every_depth(correct_depth):
     assert "first fails at" not in summary
     assert "grows with depth like the local baseline's for every backend" in summary
     assert "first fails at" not in _norm(result.stdout)
-    findings = sweeping.depth_findings(sweeping.depth_lines(read_report(correct_depth[2] / "results.json").rows))
+    findings = depth_findings(depth_lines(read_report(correct_depth[2] / "results.json").rows))
     assert {f.backend for f in findings} == {"local", "sdpa.math", "correct_fp32"}
     assert all(f.first_failing_depth is None and f.depths == CORRECT_DEPTHS for f in findings)
 
@@ -236,14 +239,16 @@ def test_depth_reference_built_once_per_depth_and_shared(correct_depth):
 
 def test_depth_runs_one_depth_at_a_time_and_computes_each_stack_once():
     from attn_doctor.backends import BackendSpec
-    from attn_doctor.execution.session import Session, _depth_steps, plan_depth_jobs
+    from attn_doctor.execution.session import Session, depth_steps
+    from attn_doctor.probes.plan import plan_depth
 
     case = make_case(batch=1, seq=16, heads=2, head_dim=8, dtype="bf16", mask="causal", seed=3)
-    jobs = plan_depth_jobs(case, [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"}),
-                                  BackendSpec("local", "local")], [1, 3], [1, 2])
-    units = {family: [(0, [i for i, job in enumerate(jobs) if job.spec.family == family])] for family in ("local", "sdpa")}
-    steps = [(family, [(jobs[i].reference_layers, jobs[i].params["tp"]) for i in unit[1]])
-             for family, unit in _depth_steps([jobs], units)]
+    jobs = plan_depth(case, [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"}),
+                             BackendSpec("local", "local")], [1, 3], [1, 2])
+    units = {family: [(0, [i for i, job in enumerate(jobs) if job.backend.family == family])]
+             for family in ("local", "sdpa")}
+    steps = [(family, [(jobs[i].reference_layers, jobs[i].tp) for i in unit[1]])
+             for family, unit in depth_steps([jobs], units)]
     assert steps == [("local", [(1, 1), (1, 2)]), ("sdpa", [(1, 1), (1, 2)]),
                      ("local", [(3, 1), (3, 2)]), ("sdpa", [(3, 1), (3, 2)])]
 
@@ -256,16 +261,16 @@ def test_depth_runs_one_depth_at_a_time_and_computes_each_stack_once():
 
 def test_depth_plot_is_a_png(correct_depth):
     _, doc, directory = correct_depth
-    plot = directory / sweeping.PLOT_FILE
+    plot = directory / PLOT_FILE
     assert plot.exists()
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.stat().st_size > 1000
-    assert doc["artifacts"] == {"plot": sweeping.PLOT_FILE}
+    assert doc["artifacts"] == {"plot": PLOT_FILE}
 
 
 def test_no_plot_without_depths(layout_sweep):
     _, _, directory = layout_sweep
-    assert not (directory / sweeping.PLOT_FILE).exists()
+    assert not (directory / PLOT_FILE).exists()
 
 
 # --- 3. a backward error multiplied at every layer is caught at depth --------------------------------------
@@ -299,9 +304,9 @@ def test_compounding_kernel_passes_shallow_and_fails_deep(compounding_depth):
 def test_compounding_kernel_first_failing_depth_is_named(compounding_depth):
     result, doc, directory = compounding_depth
     rows = read_report(directory / "results.json").rows
-    fails = sorted(r.coords["layers"] for r in rows if r.backend == "compounding_backward" and r.verdict == "FAIL")
+    fails = sorted(r.coords.layers for r in rows if r.backend == "compounding_backward" and r.verdict == "FAIL")
     assert fails[0] == COMPOUNDING_FIRST_FAIL
-    findings = {f.backend: f for f in sweeping.depth_findings(sweeping.depth_lines(rows))}
+    findings = {f.backend: f for f in depth_findings(depth_lines(rows))}
     assert findings["compounding_backward"].first_failing_depth == fails[0]
     assert findings["compounding_backward"].depths == COMPOUNDING_DEPTHS
     assert findings["compounding_backward"].growth > findings["compounding_backward"].baseline_growth
@@ -423,13 +428,13 @@ def _assert_each_row_once(directory: Path, points: int, rows_per_point: int, raw
     keys = [(json.dumps(r["case"], sort_keys=True), r["backend"], r["layout"], _coords(r)) for r in doc["results"]]
     assert len(keys) == len(set(keys)), "a row appears twice in results.json"
     assert len(keys) == points * rows_per_point, "results.json lacks a row"
-    loaded, finished = sweeping.ResultsLog(directory).load()
+    loaded, finished = ResultsLog(directory).load()
     keys = [(json.dumps(r.case.to_dict(), sort_keys=True), r.backend, r.layout, _coords(r.to_dict())) for r in loaded]
     assert len(finished) == points
     assert len(keys) == len(set(keys)) == points * rows_per_point, "results.jsonl reads back a row twice"
     if not raw:
         return
-    records = _jsonl(directory / sweeping.RESULTS_FILE)
+    records = _jsonl(directory / RESULTS_FILE)
     keys = [(r["point"], r["backend"], r["layout"], _coords(r)) for r in records]
     assert len(keys) == len(set(keys)), "a row appears twice in results.jsonl"
     by_point: dict[str, int] = {}
@@ -452,7 +457,7 @@ def test_kill_mid_sweep_then_resume_runs_every_point_once(tmp_path, run_cli, sig
         proc = subprocess.Popen([sys.executable, "-m", "attn_doctor", "sweep", *flags, "--out", str(directory)],
                                 cwd=tmp_path, env=env, stdout=out, stderr=err)
         try:
-            results = directory / sweeping.RESULTS_FILE
+            results = directory / RESULTS_FILE
             deadline = time.monotonic() + 120
             done = 0
             while time.monotonic() < deadline and proc.poll() is None:
@@ -512,7 +517,7 @@ def test_layout_sweep_streams_one_record_per_row(layout_sweep):
     result, doc, directory = layout_sweep
     assert result.exit_code == 0, result.output
     _assert_each_row_once(directory, len(RESUME_SEQS), ROWS_PER_POINT)
-    records = _jsonl(directory / sweeping.RESULTS_FILE)
+    records = _jsonl(directory / RESULTS_FILE)
     for record, row in zip(records, doc["results"]):  # the record is the `run` row plus the point
         assert {k: v for k, v in record.items() if k not in ("point", "point_complete")} == row
         assert json.loads(record["point"])["case"] == row["case"]
@@ -520,18 +525,18 @@ def test_layout_sweep_streams_one_record_per_row(layout_sweep):
 
 def test_resume_of_a_finished_sweep_runs_nothing(layout_sweep, tmp_path, run_cli):
     directory = _copy(layout_sweep, tmp_path)
-    before = (directory / sweeping.RESULTS_FILE).read_bytes()
+    before = (directory / RESULTS_FILE).read_bytes()
     result = _resume(run_cli, directory)
     assert result.exit_code == 0, result.output
     assert f"{len(RESUME_SEQS)} of {len(RESUME_SEQS)} points already done" in _norm(result.stdout)
-    assert (directory / sweeping.RESULTS_FILE).read_bytes() == before
+    assert (directory / RESULTS_FILE).read_bytes() == before
     _assert_each_row_once(directory, len(RESUME_SEQS), ROWS_PER_POINT)
 
 
 def test_torn_appended_line_is_cut_and_its_point_rerun(layout_sweep, tmp_path, run_cli):
     """Killed while writing the last point: its half line is cut off and the point runs again."""
     directory = _copy(layout_sweep, tmp_path)
-    path = directory / sweeping.RESULTS_FILE
+    path = directory / RESULTS_FILE
     lines = path.read_bytes().splitlines(keepends=True)
     last_point = lines[-ROWS_PER_POINT:]
     path.write_bytes(b"".join(lines[:-ROWS_PER_POINT]) + last_point[0][: len(last_point[0]) // 2])
@@ -545,7 +550,7 @@ def test_torn_last_row_of_a_point_is_rerun_once(layout_sweep, tmp_path, run_cli)
     """Torn inside the point's last line: its earlier rows were written but the point never completed.
     Rerunning it must not leave those rows twice, now or after a later --resume."""
     directory = _copy(layout_sweep, tmp_path)
-    path = directory / sweeping.RESULTS_FILE
+    path = directory / RESULTS_FILE
     data = path.read_bytes()
     start = data.rstrip(b"\n").rfind(b"\n") + 1
     path.write_bytes(data[: start + (len(data) - start) // 2])
@@ -577,11 +582,11 @@ def test_resume_and_out_disagree_exits_2(layout_sweep, tmp_path, run_cli):
 
 def test_resume_with_other_backends_exits_2_and_keeps_the_log(layout_sweep, tmp_path, run_cli):
     directory = _copy(layout_sweep, tmp_path)
-    before = (directory / sweeping.RESULTS_FILE).read_bytes()
+    before = (directory / RESULTS_FILE).read_bytes()
     other = [flag if flag != "sdpa.math" else "sdpa.efficient" for flag in RESUME_FLAGS]
     line = one_line_error(_resume(run_cli, directory, other))
     assert "that sweep ran local, sdpa.math, this command asks for local, sdpa.efficient" in line
-    assert (directory / sweeping.RESULTS_FILE).read_bytes() == before
+    assert (directory / RESULTS_FILE).read_bytes() == before
 
 
 GARBAGE = {
@@ -597,7 +602,7 @@ GARBAGE = {
 @pytest.mark.parametrize("garbage", list(GARBAGE.values()), ids=list(GARBAGE))
 def test_garbage_line_in_the_middle_exits_2(layout_sweep, tmp_path, run_cli, garbage):
     directory = _copy(layout_sweep, tmp_path)
-    path = directory / sweeping.RESULTS_FILE
+    path = directory / RESULTS_FILE
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:3]) + garbage + b"".join(lines[3:]))
     line = one_line_error(_resume(run_cli, directory))
@@ -609,7 +614,7 @@ def test_garbage_line_in_the_middle_exits_2(layout_sweep, tmp_path, run_cli, gar
 
 def _grid(**options):
     base, grid, depths, degrees = build_grid(options)
-    return sweeping.expand_grid(base, grid), depths, degrees
+    return expand_grid(base, grid), depths, degrees
 
 
 def test_grid_cross_product():
@@ -619,7 +624,7 @@ def test_grid_cross_product():
     assert {(c.seq, c.head_dim, c.mask) for c in cases} == {
         (s, d, m) for s in (16, 32) for d in (8, 16) for m in ("causal", "none")}
     assert len({c.key() for c in cases}) == 8
-    assert len(sweeping.plan_points(cases, ["contiguous"], None, None)) == 8
+    assert len(plan_points(cases, ["contiguous"], None, None)) == 8
 
 
 def test_grid_windows_seq_kv_and_dedup():
@@ -635,12 +640,12 @@ def test_grid_windows_seq_kv_and_dedup():
 def test_grid_points_per_probe_kind():
     cases, depths, degrees = _grid(seq="16,32", layers="1,4", tp="1,2")
     assert depths == [1, 4] and degrees == [1, 2]
-    points = sweeping.plan_points(cases, ["contiguous"], depths, degrees)
+    points = plan_points(cases, ["contiguous"], depths, degrees)
     assert [p.kind for p in points] == ["depth", "depth"]
     assert all(p.depths == (1, 4) and p.degrees == (1, 2) for p in points)
     assert len({p.id for p in points}) == 2
     cases, depths, degrees = _grid(seq="16", tp="1,2")
-    assert [p.kind for p in sweeping.plan_points(cases, ["contiguous"], depths, degrees)] == ["tp"]
+    assert [p.kind for p in plan_points(cases, ["contiguous"], depths, degrees)] == ["tp"]
 
 
 RECIPE = """\
@@ -698,17 +703,18 @@ def test_two_workers_per_family_run_every_point_once_in_grid_order(tmp_path, run
     assert [r["case"]["seq"] for r in doc["results"]] == [s for s in (16, 24, 32, 40, 48) for _ in range(per_point)]
     failing = {(r["backend"], r["layout"]) for r in doc["results"] if r["verdict"] == "FAIL"}
     assert failing == {("ignores_strides", "transposed")}
-    records = _jsonl(tmp_path / "sweep" / sweeping.RESULTS_FILE)
+    records = _jsonl(tmp_path / "sweep" / RESULTS_FILE)
     complete = [r["point"] for r in records if r.get("point_complete")]
     assert len(complete) == len(set(complete)) == 5 and len(records) == 5 * per_point
 
 
 def test_session_spreads_a_familys_points_over_its_workers():
     from attn_doctor.backends import BackendSpec
-    from attn_doctor.execution.session import Session, plan_jobs
+    from attn_doctor.execution.session import Session
+    from attn_doctor.probes.plan import plan_calls
 
     cases = [make_case(batch=1, seq=seq, heads=2, head_dim=8) for seq in (16, 24, 32, 40)]
-    groups = [plan_jobs([case], [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"})], ["contiguous"])
+    groups = [plan_calls(case, [BackendSpec("sdpa.math", "sdpa", {"kernel": "math"})], ["contiguous"])
               for case in cases]
     finished = []
     with Session("cpu", workers_per_family=2) as session:

@@ -1,68 +1,102 @@
-"""Registry of backends: which rows exist, which worker family runs each, and how a worker builds one."""
+"""The backend registry: every kernel path attn-doctor can check, and the one place that knows them.
+
+Adding a backend is a module in this package (a `Backend` subclass, see `base.py`) and one line in
+`REGISTRY`. Everything else reaches backends through the functions below, by spec, never by family name.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-
-from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
+from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, Unsupported
+from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
+from attn_doctor.backends.local import LocalAttention
+from attn_doctor.backends.sdpa import SdpaKernel
+from attn_doctor.backends.te import TEAttention
+from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
 
-BASELINE = "local"
-SDPA_NAMES = ("sdpa.flash", "sdpa.efficient", "sdpa.cudnn", "sdpa.math")
+# Table order: TE paths, PyTorch SDPA kernels, the local baseline; then the user's --kernel ones.
+REGISTRY: dict[str, type[Backend]] = {cls.family: cls for cls in (
+    TEAttention,
+    SdpaKernel,
+    LocalAttention,
+    UserKernel,
+)}
+
+# What every verdict is relative to: Megatron's local core attention (see attn_doctor/verdict/rule.py).
+BASELINE: BackendSpec = LocalAttention.paths()[0]
 
 
-def te_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+def backend_class(spec: BackendSpec) -> type[Backend]:
+    try:
+        return REGISTRY[spec.family]
+    except KeyError:
+        raise ValueError(f"unknown backend family {spec.family!r}") from None
 
 
 def builtin_specs() -> list[BackendSpec]:
-    """Every built-in row, in table order: TE paths, PyTorch SDPA kernels, then the local baseline."""
-    from attn_doctor.backends.te import te_paths
-
-    specs = [BackendSpec(name, "te", options) for name, options in te_paths()]
-    specs += [BackendSpec(name, "sdpa", {"kernel": name.split(".", 1)[1]}) for name in SDPA_NAMES]
-    specs.append(BackendSpec(BASELINE, "local"))
-    return specs
+    """Every built-in row, in table order."""
+    return [spec for cls in REGISTRY.values() for spec in cls.paths()]
 
 
-def resolve(names: list[str]) -> list[BackendSpec]:
-    """Specs for the names given with --backend (all built-ins when none), refusing unknown names."""
+def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...] = ()) -> list[BackendSpec]:
+    """The specs a user asked for: --backend NAME (a row name, or a family for all its rows; all built-ins
+    when neither --backend nor --kernel is given) and --kernel [NAME=]TARGET:FUNC. Unknown names and a
+    kernel name that is taken are bad input."""
+    kernel_specs = [parse_kernel_spec(text) for text in kernels]
+    chosen: list[BackendSpec] = []
     known = {spec.name: spec for spec in builtin_specs()}
-    if not names:
-        return list(known.values())
-    chosen = []
-    for name in names:
-        if name in ("te", "sdpa"):
-            chosen += [spec for spec in known.values() if spec.family == name]
-        elif name in known:
-            chosen.append(known[name])
-        else:
-            raise BadInput(
-                f"unknown backend {name!r}; choose from {', '.join(known)} (or 'te', 'sdpa'), "
-                "or pass your own with --kernel"
-            )
-    return list({spec.name: spec for spec in chosen}.values())
+    if names or not kernel_specs:
+        if not names:
+            chosen = list(known.values())
+        for name in names:
+            family = REGISTRY.get(name)
+            if family is not None and family.paths():
+                chosen += family.paths()
+            elif name in known:
+                chosen.append(known[name])
+            else:
+                families = ", ".join(f"'{f}'" for f, cls in REGISTRY.items() if len(cls.paths()) > 1)
+                raise BadInput(f"unknown backend {name!r}; choose from {', '.join(known)} (or {families}), "
+                               "or pass your own with --kernel")
+    chosen = list({spec.name: spec for spec in chosen}.values())
+    taken = [spec.name for spec in chosen]
+    for spec in kernel_specs:
+        if spec.name in taken:
+            raise BadInput(f"--kernel name {spec.name!r} is taken; give it another with NAME=TARGET:FUNC")
+        taken.append(spec.name)
+    return chosen + kernel_specs
 
 
 def build(spec: BackendSpec) -> Backend:
-    """Instantiate a backend inside a worker process (imports happen here, not in the CLI)."""
-    if spec.family == "local":
-        from attn_doctor.backends.local import LocalAttention
-
-        return LocalAttention(spec)
-    if spec.family == "sdpa":
-        from attn_doctor.backends.sdpa import SdpaKernel
-
-        return SdpaKernel(spec)
-    if spec.family == "te":
-        from attn_doctor.backends.te import TEAttention
-
-        return TEAttention(spec)
-    if spec.family == "kernel":
-        from attn_doctor.backends.kernel import UserKernel
-
-        return UserKernel(spec)
-    raise ValueError(f"unknown backend family {spec.family!r}")
+    """Instantiate a backend inside a worker process (the library is loaded here, not in the parent)."""
+    return backend_class(spec)(spec)
 
 
-__all__ = ["Backend", "BackendSpec", "Unsupported", "BASELINE", "builtin_specs", "resolve", "build", "te_installed"]
+def static_skip(spec: BackendSpec, case: Case, device: str) -> str | None:
+    return backend_class(spec).static_skip(spec, case, device)
+
+
+def memory(spec: BackendSpec, case: Case) -> PathMemory:
+    return backend_class(spec).memory(spec, case)
+
+
+def selector(spec: BackendSpec) -> str:
+    return backend_class(spec).selector(spec)
+
+
+def repro_source(spec: BackendSpec) -> str:
+    return backend_class(spec).repro_source(spec)
+
+
+def match_format(spec: BackendSpec) -> str | None:
+    return backend_class(spec).match_format
+
+
+def prepare_process(family: str) -> dict:
+    """Run a family's process preparation (first thing in a worker or rank process); facts it reports."""
+    return REGISTRY[family].prepare_process()
+
+
+__all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported", "BASELINE", "REGISTRY",
+           "backend_class", "builtin_specs", "select", "build", "static_skip", "memory", "selector",
+           "repro_source", "match_format", "prepare_process"]

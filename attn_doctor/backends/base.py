@@ -1,15 +1,44 @@
-"""The one small interface every attention implementation sits behind: TE paths, PyTorch SDPA kernels,
-Megatron's local attention and a user's own kernel are all a `Backend`."""
+"""The contract every attention implementation meets: TE's paths, PyTorch's SDPA kernels, Megatron's local
+attention and a user's own kernel are each a `Backend` subclass in a module of this package, listed in the
+registry (`attn_doctor.backends.REGISTRY`). Nothing outside this package knows a backend by its family.
+
+Two halves, like pytest's hookspecs, each hook small and optional unless marked:
+
+In the parent process (class methods; no worker is started, nothing heavy is imported):
+  `paths()`            the rows the family offers without user input (TE: one per kernel path)
+  `static_skip()`      why a spec cannot run a case on a device, known before starting anything
+  `memory()`           the working memory one call needs beyond its inputs, outputs and gradients
+  `selector()`         the command-line option that picks a spec (`--backend NAME`, `--kernel SPEC`)
+  `repro_source()`     the kernel part of the standalone repro script (see `attn_doctor.bisect.repro`)
+  `match_format`       the qkv_format known-defect rules are matched with (None: the path is not TE's)
+
+In a worker process (an instance per spec, built after `prepare_process()` ran first in that process):
+  `forward()`          required: out for q, k, v in `qkv_format`, possibly non-contiguous views
+  `ran()`              what really ran for the last forward, read back from the library's own state
+  `unsupported()`      why it cannot run a case, known only once the library is loaded
+  `attend_at()`        queries at given global positions against full keys: context parallelism done by
+                       attn-doctor (each rank attends its sequence chunks)
+  `run_parallel()`     a library that does tensor/context parallelism itself (`own_parallelism`: TE) runs
+                       a rank's shard here
+
+A backend refuses a case by raising `Unsupported` (a SKIP row with its reason); anything else it raises is
+the kernel's error (an ERROR row), never attn-doctor's.
+"""
 
 from __future__ import annotations
 
+import shlex
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from attn_doctor.core.case import Case
+from attn_doctor.core.coords import BackendSpec
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported"]
 
 
 class Unsupported(Exception):
@@ -17,29 +46,69 @@ class Unsupported(Exception):
 
 
 @dataclass(frozen=True)
-class BackendSpec:
-    """What travels to a worker process to build a backend there."""
+class PathMemory:
+    """Bytes one call needs beyond its inputs, outputs and gradients: kept from the forward for the backward
+    (`saved`, what a stack of L layers holds L times) and the peak of the scratch on top (`transient`)."""
 
-    name: str  # the row's name, e.g. "te.fused", "sdpa.flash", "local", "my_kernel"
-    family: str  # the worker that runs it: "te", "sdpa", "local", "kernel"
-    options: dict[str, Any] = field(default_factory=dict)
+    saved: int = 0
+    transient: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BackendSpec":
-        return cls(d["name"], d["family"], dict(d.get("options", {})))
+@dataclass
+class ParallelGroups:
+    """What a rank of a distributed probe hands a backend that does its own parallelism (`run_parallel`)."""
+
+    tp: int
+    tp_group: Any
+    cp: int
+    cp_group: Any
+    cp_ranks: list[int]
+    cp_comm_type: str | None
 
 
 class Backend(ABC):
-    """An attention forward whose backward comes from autograd.
+    """An attention forward whose backward comes from autograd. See the module docstring for the hooks."""
 
-    `forward` receives q [.., heads, d] and k, v [.., kv_heads, d] in `qkv_format` ("bshd" or "sbhd"),
-    possibly as non-contiguous views, and returns out [.., heads, d] in the same format.
-    """
+    family: ClassVar[str]  # the registry key: one worker process per family runs its specs
+    qkv_format: ClassVar[str] = "bshd"  # the format forward receives and returns: "bshd" or "sbhd"
+    match_format: ClassVar[str | None] = None
+    # How `attend_at` computes a CP rank's queries (shown with distributed results).
+    cp_method: ClassVar[str] = "queries at their global positions in a zero-padded causal sequence"
+    own_parallelism: ClassVar[bool] = False  # the library splits heads and sequence itself (`run_parallel`)
 
-    qkv_format: str = "bshd"
+    # -- in the parent ----------------------------------------------------------------------------------
+
+    @classmethod
+    def paths(cls) -> list[BackendSpec]:
+        return []
+
+    @classmethod
+    def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
+        return None
+
+    @classmethod
+    def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:
+        """Linear-memory kernels need nothing worth counting; one that materialises the scores says so."""
+        return PathMemory()
+
+    @classmethod
+    def selector(cls, spec: BackendSpec) -> str:
+        return f"--backend {shlex.quote(spec.name)}"
+
+    @classmethod
+    @abstractmethod
+    def repro_source(cls, spec: BackendSpec) -> str:
+        """Python source defining FORMAT ("bshd" or "sbhd") and `kernel(q, k, v, case) -> out` for the
+        standalone repro; it may use what the script defines before it (`allowed`, `megatron_local`, torch,
+        F, os; `case` is the case's dict)."""
+
+    @classmethod
+    def prepare_process(cls) -> dict[str, Any]:
+        """Runs first in a worker or rank process, before torch touches cuDNN; returns facts about the
+        library it loaded for the machine fingerprint (e.g. {"te_facts": ...})."""
+        return {}
+
+    # -- in a worker process ----------------------------------------------------------------------------
 
     def __init__(self, spec: BackendSpec):
         self.spec = spec
@@ -49,12 +118,34 @@ class Backend(ABC):
         return self.spec.name
 
     def unsupported(self, case: Case, device: torch.device) -> str | None:
-        """A reason this backend cannot run `case` on `device`, known without running it."""
         return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor: ...
 
     def ran(self, out: torch.Tensor) -> str:
-        """What really ran for the last forward, read from the library's own state where it has one."""
         return self.name
+
+    def attend_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  case: Case) -> torch.Tensor:
+        """out [b, len(positions), h, d] for queries q at global `positions` against the full k, v (all bshd),
+        under the case's mask. The default serves a kernel that takes no mask: the queries are placed at
+        their positions in an otherwise zero query sequence and the kernel runs on the full length; the
+        padded rows get zero output gradient, so they add nothing to dk, dv."""
+        import dataclasses
+
+        from attn_doctor.core import layouts
+
+        fmt = self.qkv_format
+        full_case = dataclasses.replace(case, seq=k.shape[1])
+        full = q.new_zeros(q.shape[0], k.shape[1], *q.shape[2:]).index_copy(1, positions, q)
+        out = self.forward(layouts.to_format(full, fmt), layouts.to_format(k, fmt), layouts.to_format(v, fmt),
+                           full_case)
+        return layouts.to_bshd(out, fmt).index_select(1, positions)
+
+    def run_parallel(self, groups: ParallelGroups, case: Case, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, dout: torch.Tensor) -> tuple[list[torch.Tensor], str]:
+        """With `own_parallelism`: a rank's shard computed by the library's own TP/CP (q, k, v, dout: the
+        rank's bshd shards, CP chunks in TE's load-balanced order) -> ([out, dq, dk, dv] bshd, what ran).
+        Without it, attn-doctor splits the work itself (`attend_at`)."""
+        raise NotImplementedError(f"{type(self).__name__} does no tensor/context parallelism of its own")

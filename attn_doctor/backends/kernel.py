@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import shlex
 import sys
 from pathlib import Path
 from typing import Callable
@@ -85,17 +86,49 @@ def load_function(target: str, func: str) -> Callable:
     return getattr(module, func)
 
 
+REPRO_SOURCE = '''
+
+FORMAT = "bshd"
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+
+TARGET, FUNC = {target!r}, {func!r}
+if TARGET.endswith(".py"):
+    spec = importlib.util.spec_from_file_location("user_kernel", TARGET)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+else:
+    module = importlib.import_module(TARGET)
+
+
+def kernel(q, k, v, case):
+    return getattr(module, FUNC)(q, k, v, causal=case["mask"] == "causal", softmax_scale=case["head_dim"] ** -0.5)
+'''
+
+
 class UserKernel(Backend):
+    family = "kernel"
     qkv_format = "bshd"
+    cp_method = "queries at their global positions in a zero-padded sequence (the --kernel signature has no mask)"
+
+    @classmethod
+    def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
+        if case.window is not None:
+            return "the --kernel signature fn(q, k, v, *, causal, softmax_scale) has no sliding-window argument"
+        return None
+
+    @classmethod
+    def selector(cls, spec: BackendSpec) -> str:
+        target, func = spec.options.get("target"), spec.options.get("func")
+        return f"--kernel {shlex.quote(f'{spec.name}={target}:{func}')}"
+
+    @classmethod
+    def repro_source(cls, spec: BackendSpec) -> str:
+        return REPRO_SOURCE.format(target=spec.options["target"], func=spec.options["func"])
 
     def __init__(self, spec: BackendSpec):
         super().__init__(spec)
         self.fn = load_function(spec.options["target"], spec.options["func"])
-
-    def unsupported(self, case: Case, device: torch.device) -> str | None:
-        if case.window is not None:
-            return "the --kernel signature fn(q, k, v, *, causal, softmax_scale) has no sliding-window argument"
-        return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
         return self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)

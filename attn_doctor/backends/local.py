@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from attn_doctor.backends.base import Backend
+from attn_doctor.backends.base import Backend, BackendSpec, PathMemory
 from attn_doctor.core.case import Case
 from attn_doctor.numerics.reference import allowed_mask
 
 MEGATRON_MASK_FILL = -10000.0
+# The repro script defines megatron_local itself (it is the baseline every verdict needs).
+REPRO_SOURCE = '''
+
+FORMAT = "sbhd"
+
+
+def kernel(q, k, v, case):
+    return megatron_local(q, k, v)
+'''
 
 
 def megatron_core_attention(
@@ -53,7 +62,25 @@ def megatron_core_attention(
 
 
 class LocalAttention(Backend):
+    family = "local"
     qkv_format = "sbhd"
+    cp_method = "explicit global causal mask (Megatron masked_fill)"
+
+    @classmethod
+    def paths(cls) -> list[BackendSpec]:
+        return [BackendSpec("local", cls.family)]
+
+    @classmethod
+    def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:
+        # Input-dtype scores, an fp32 copy, the masked fill and the fp32 softmax, whose output is kept with
+        # the input-dtype probabilities for the backward.
+        scores = case.batch * case.heads * case.seq * case.seq_k
+        item = 4 if case.dtype == "fp32" else 2
+        return PathMemory(saved=scores * (4 + item), transient=scores * (item + 4 + 4))
+
+    @classmethod
+    def repro_source(cls, spec: BackendSpec) -> str:
+        return REPRO_SOURCE
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
         visible = allowed_mask(
@@ -61,6 +88,12 @@ class LocalAttention(Backend):
             case.window,
         )
         return megatron_core_attention(q, k, v, case.softmax_scale, visible)
+
+    def attend_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  case: Case) -> torch.Tensor:
+        visible = allowed_mask(positions, torch.arange(k.shape[1], device=q.device), case.causal, case.window)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # sbhd views
+        return megatron_core_attention(q, k, v, case.softmax_scale, visible).transpose(0, 1)
 
     def ran(self, out: torch.Tensor) -> str:
         return "Megatron local: baddbmm + fp32 softmax"

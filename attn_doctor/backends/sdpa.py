@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attn_doctor.backends.base import Backend, Unsupported
+from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, Unsupported
 from attn_doctor.core.case import Case
 from attn_doctor.numerics.reference import allowed_mask
 
@@ -54,28 +54,65 @@ def _attention_node(out: torch.Tensor) -> str | None:
     return None
 
 
-class SdpaKernel(Backend):
-    qkv_format = "bshd"
+REPRO_SOURCE = '''
 
-    def __init__(self, spec):
+FORMAT = "bshd"
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+
+def kernel(q, k, v, case):
+    """PyTorch SDPA with only the {kernel} kernel allowed."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    extra = {{"enable_gqa": True}} if case["kv_heads"] != case["heads"] else {{}}
+    plain_causal = case["mask"] == "causal" and case["window"] is None and case["seq"] == case["seq_kv"]
+    mask = None if plain_causal or (case["mask"] == "none" and case["window"] is None) else allowed(case["seq"], case["seq_kv"])
+    with sdpa_kernel([SDPBackend.{enum}]):
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=plain_causal,
+                                             scale=case["head_dim"] ** -0.5, **extra)
+    return out.transpose(1, 2)
+'''
+
+
+class SdpaKernel(Backend):
+    family = "sdpa"
+    qkv_format = "bshd"
+    cp_method = "explicit global causal mask (SDPA attn_mask)"
+
+    @classmethod
+    def paths(cls) -> list[BackendSpec]:
+        return [BackendSpec(f"sdpa.{kernel}", cls.family, {"kernel": kernel})
+                for kernel in ("flash", "efficient", "cudnn", "math")]
+
+    @classmethod
+    def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
+        kernel = spec.options["kernel"]
+        if device == "cpu" and kernel not in CPU_KERNELS:
+            return f"PyTorch has no CPU implementation of the {kernel} SDPA kernel"
+        return None
+
+    @classmethod
+    def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:
+        if spec.options["kernel"] != "math":
+            return PathMemory()
+        # The composite path: scores, softmax and its output in the input dtype, probabilities kept.
+        scores = case.batch * case.heads * case.seq * case.seq_k
+        item = 4 if case.dtype == "fp32" else 2
+        return PathMemory(saved=2 * scores * item, transient=3 * scores * 4)
+
+    @classmethod
+    def repro_source(cls, spec: BackendSpec) -> str:
+        kernel = spec.options["kernel"]
+        return REPRO_SOURCE.format(kernel=kernel, enum=KERNELS[kernel].name)
+
+    def __init__(self, spec: BackendSpec):
         super().__init__(spec)
         self.kernel = spec.options["kernel"]
 
-    def unsupported(self, case: Case, device: torch.device) -> str | None:
-        if device.type == "cpu" and self.kernel not in CPU_KERNELS:
-            return f"PyTorch has no CPU implementation of the {self.kernel} SDPA kernel"
-        return None
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                is_causal: bool, case: Case) -> torch.Tensor:
+        """SDPA on bshd q, k, v with only this kernel allowed; SDPA's own reasons when it refuses."""
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # bshd -> bhsd views, no copy
-        mask = None
-        is_causal = case.causal and case.window is None and case.seq == case.seq_k
-        if case.window is not None or (case.causal and not is_causal):
-            mask = allowed_mask(
-                torch.arange(case.seq, device=q.device), torch.arange(case.seq_k, device=q.device), case.causal,
-                case.window,
-            )
-        kwargs = {"enable_gqa": True} if case.num_kv_heads != case.heads else {}
+        kwargs = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
         with warnings.catch_warnings(record=True) as caught, sdpa_kernel([KERNELS[self.kernel]]):
             warnings.simplefilter("always")
             try:
@@ -88,6 +125,21 @@ class SdpaKernel(Backend):
                 reasons = _skip_reasons(caught)
                 raise Unsupported("; ".join(reasons) or str(exc).splitlines()[0]) from None
         return out.transpose(1, 2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
+        mask = None
+        is_causal = case.causal and case.window is None and case.seq == case.seq_k
+        if case.window is not None or (case.causal and not is_causal):
+            mask = allowed_mask(
+                torch.arange(case.seq, device=q.device), torch.arange(case.seq_k, device=q.device), case.causal,
+                case.window,
+            )
+        return self._attend(q, k, v, mask, is_causal, case)
+
+    def attend_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  case: Case) -> torch.Tensor:
+        visible = allowed_mask(positions, torch.arange(k.shape[1], device=q.device), case.causal, case.window)
+        return self._attend(q, k, v, visible, False, case)
 
     def ran(self, out: torch.Tensor) -> str:
         node = _attention_node(out)

@@ -6,8 +6,10 @@ set so TE re-runs its selection in this process (it caches the last choice per A
 What ran is read back from `_attention_backends` after the forward, never assumed from the flags, and
 the reasons TE gives for disabling a path come from its "DotProductAttention" logger at DEBUG level.
 
-TE is imported only inside the TE worker process, before anything touches torch's cuDNN: a process that
-already loaded torch's cuDNN can fail to import TE (two cuDNN builds; see h200-device-facts.md).
+TE is imported only inside worker and rank processes (`prepare_process`), before anything touches torch's
+cuDNN: a process that already used torch's cuDNN can fail to import TE (two cuDNN builds; see
+h200-device-facts.md). Under tensor and context parallelism TE does the splitting and the communication
+itself (`run_parallel`): DotProductAttention with tp_group and cp_group.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
+from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, Unsupported
 from attn_doctor.core.case import Case
+from attn_doctor.machine.te_probe import te_installed
 
 FLAGS = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}
 # F16_max512_seqlen (0) and F16_arbitrary_seqlen (1); NVTE_FUSED_ATTN_BACKEND chose between them up to
@@ -86,6 +89,7 @@ class _TE:
 
 
 _te: _TE | None = None
+_import_error: str | None = None  # why `prepare_process` could not import TE in this process
 
 
 def load_te() -> _TE:
@@ -121,15 +125,93 @@ def dpa_arguments(case: Case) -> dict:
     )
 
 
+REPRO_SOURCE = '''
+
+FORMAT = "sbhd"
+# Force TE's {path} backend the way TE's own tests do: only its flag on, selection cache invalidated.
+os.environ.update({flags})
+{sub_backend}
+import transformer_engine.pytorch as te  # noqa: E402  (after the flags: TE reads NVTE_* at import and per call)
+from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa  # noqa: E402
+
+
+def kernel(q, k, v, case):
+    dpa._attention_backends["backend_selection_requires_update"] = True
+    module = te.DotProductAttention(case["heads"], case["head_dim"], num_gqa_groups=case["kv_heads"],
+                                    attention_dropout=0.0, qkv_format="sbhd",
+                                    attn_mask_type="causal" if case["mask"] == "causal" else "no_mask",
+                                    window_size=tuple(case["window"]) if case["window"] else None)
+    out = module(q, k, v)
+    state = dpa._attention_backends
+    print("TE ran:", "FusedAttention sub-backend %s" % int(state["fused_attention_backend"])
+          if state["use_fused_attention"] else "FlashAttention" if state["use_flash_attention"] else "Unfused")
+    return out.view(q.shape[0], q.shape[1], case["heads"], case["head_dim"])
+'''
+
+
 class TEAttention(Backend):
+    family = "te"
     qkv_format = "sbhd"
+    match_format = "sbhd"  # the format known-defect rules about TE are matched with: the one these paths use
+    own_parallelism = True
+    cp_method = "TE's own CP"
+
+    # -- in the parent --
+
+    @classmethod
+    def paths(cls) -> list[BackendSpec]:
+        return [BackendSpec(name, cls.family, options) for name, options in te_paths()]
+
+    @classmethod
+    def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
+        if not device.startswith("cuda"):
+            return "TE attention needs a CUDA GPU; this run is on the CPU"
+        if not te_installed():
+            return "transformer_engine is not installed (pip install 'attn-doctor[te]')"
+        return None
+
+    @classmethod
+    def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:
+        if spec.options["path"] != "unfused":
+            return PathMemory()
+        # UnfusedDotProductAttention: input-dtype scores, softmax in fp32, probabilities kept for backward.
+        scores = case.batch * case.heads * case.seq * case.seq_k
+        item = 4 if case.dtype == "fp32" else 2
+        return PathMemory(saved=scores * (4 + item), transient=scores * (4 + 4 + item))
+
+    @classmethod
+    def repro_source(cls, spec: BackendSpec) -> str:
+        options = spec.options
+        flags = {flag: "1" if path == options["path"] else "0" for path, flag in FLAGS.items()}
+        sub = (f'os.environ["NVTE_FUSED_ATTN_BACKEND"] = "{options["sub_backend"]}"'
+               if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)')
+        return REPRO_SOURCE.format(path=options["path"], flags=repr(flags), sub_backend=sub)
+
+    @classmethod
+    def prepare_process(cls) -> dict:
+        """TE before anything loads torch's cuDNN; what TE loaded (versions, its own cuDNN) for the
+        fingerprint. An import failure is kept, and every TE row of this process is SKIP with it."""
+        from attn_doctor.core.errors import first_line
+        from attn_doctor.machine.te_probe import probe_loaded_te
+
+        global _import_error
+        try:
+            load_te()
+        except Exception as exc:  # noqa: BLE001 - any import failure becomes the rows' SKIP reason
+            _import_error = first_line(exc)
+        return {"te_facts": probe_loaded_te()}
+
+    # -- in a worker --
 
     def __init__(self, spec: BackendSpec):
         super().__init__(spec)
+        if _import_error is not None:
+            raise Unsupported(f"transformer_engine not importable: {_import_error}")
         self.path = spec.options["path"]
         self.sub_backend = spec.options.get("sub_backend")
         self._te = load_te()
         self._modules: dict[tuple, torch.nn.Module] = {}
+        self._cp_stream: torch.cuda.Stream | None = None
         self._last = ""
 
     def unsupported(self, case: Case, device: torch.device) -> str | None:
@@ -137,11 +219,11 @@ class TEAttention(Backend):
             return "TE attention needs a CUDA GPU"
         return None
 
-    def _module(self, case: Case) -> torch.nn.Module:
+    def _module(self, case: Case, **parallel) -> torch.nn.Module:
         # A new module per setting: TE reads some settings (e.g. determinism) only at construction.
-        key = (case.heads, case.num_kv_heads, case.head_dim, case.mask, case.window)
+        key = (case.heads, case.num_kv_heads, case.head_dim, case.mask, case.window, tuple(sorted(parallel)))
         if key not in self._modules:
-            self._modules[key] = self._te.te.DotProductAttention(**dpa_arguments(case))
+            self._modules[key] = self._te.te.DotProductAttention(**dpa_arguments(case), **parallel)
         return self._modules[key]
 
     def _force(self) -> None:
@@ -153,8 +235,8 @@ class TEAttention(Backend):
             os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)
         self._te.state["backend_selection_requires_update"] = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
-        module = self._module(case)
+    def _call(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The forced path's forward, with TE's own reason when it refuses the case."""
         self._force()
         self._te.capture.lines.clear()
         try:
@@ -164,8 +246,29 @@ class TEAttention(Backend):
                 raise
             raise Unsupported(self._disabled_reasons() or str(exc)) from None
         self._last = describe_state(self._te.state)
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
+        out = self._call(self._module(case), q, k, v)
         seq_q, batch = q.shape[:2]
         return out.view(seq_q, batch, case.heads, case.head_dim)
+
+    def run_parallel(self, groups: ParallelGroups, case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     dout: torch.Tensor) -> tuple[list[torch.Tensor], str]:
+        """TE's own TP (tp_group; it divides the full head counts by tp_size itself) and CP (cp_group, the
+        load-balanced chunks it expects, its own communication)."""
+        parallel = dict(tp_size=groups.tp, tp_group=groups.tp_group)
+        if groups.cp > 1:
+            if self._cp_stream is None:
+                self._cp_stream = torch.cuda.Stream()
+            parallel.update(cp_group=groups.cp_group, cp_global_ranks=groups.cp_ranks, cp_stream=self._cp_stream,
+                            cp_comm_type=groups.cp_comm_type)
+        module = self._module(case, **parallel)
+        leaves = [t.transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]  # sbhd
+        out = self._call(module, *leaves)
+        out = out.view(leaves[0].shape[0], leaves[0].shape[1], case.heads // groups.tp, case.head_dim)
+        grads = torch.autograd.grad(out, leaves, dout.transpose(0, 1).contiguous())
+        return [t.detach().transpose(0, 1).contiguous() for t in (out, *grads)], self._last
 
     def _disabled_reasons(self) -> str:
         """TE's own 'Disabling X ...' lines for this path, minus the ones our forcing flags caused.

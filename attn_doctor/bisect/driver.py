@@ -1,45 +1,103 @@
-"""Drives the bisect engine with real kernels: a bisect Config becomes runner jobs on live workers."""
+"""`bisect` with real kernels: the engine's probes run on live workers, the minimal case is diagnosed (forward
+or backward, which layer), and a standalone repro is written. Callable without the command line."""
 
 from __future__ import annotations
 
-from attn_doctor.backends import BASELINE, BackendSpec
-from attn_doctor.bisect.engine import BisectResult, Config, Outcome, Probe
-from attn_doctor.verdict.diagnosis import BASELINE_LAYOUT
-from attn_doctor.results.document import Row
-from attn_doctor.execution.session import Job, Session, plan_depth_jobs, plan_jobs
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attn_doctor.backends import BASELINE
+from attn_doctor.bisect import knobs
+from attn_doctor.bisect.engine import BisectResult, Bisector, Outcome, Probe
+from attn_doctor.core.coords import Coords, ProbeKind
+from attn_doctor.core.errors import BadInput
+from attn_doctor.execution.progress import ProgressSink
+from attn_doctor.execution.session import Session
+from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import MULTIPLE
 
 
-def config_jobs(config: Config, spec: BackendSpec) -> list[Job]:
-    """The baseline job the verdict needs, then the job that probes `spec` at `config` (last)."""
-    case = config.case
-    if config.layers:
-        return plan_depth_jobs(case, [spec], [config.layers], [config.tp])
-    if config.tp > 1:
-        shards_as = "views" if config.layout == "head_slice" else "copies"
-        return [Job(BackendSpec(BASELINE, "local"), case, BASELINE_LAYOUT),
-                Job(spec, case, config.layout, "tp", {"tp": config.tp, "shards_as": shards_as})]
-    return plan_jobs([case], [spec], [config.layout])
+@dataclass
+class BisectRequest:
+    start: Coords
+    device: str
+    directory: Path  # where the repro goes
+    repeats: int = 1
+    timeout_s: float = 300.0
+    command: str = "attn-doctor bisect"
+
+    def check(self) -> None:
+        if self.repeats < 1:
+            raise BadInput("--repeats takes a whole number >= 1")
+        why = self.start.unsupported()
+        if why:
+            raise BadInput(f"the starting point is impossible: {self.start.describe()} ({why}); check --layout, --tp "
+                           "and the heads")
 
 
-def probe_row(session: Session, spec: BackendSpec, config: Config) -> Row:
-    return session.run(config_jobs(config, spec))[-1]
+@dataclass
+class BisectReport:
+    result: BisectResult
+    diagnosis: dict
+    repro: Path
+    env: Any
+
+    def to_dict(self) -> dict:
+        document = self.result.to_dict()
+        document["backend"] = self.result.start.backend.name
+        document["diagnosis"] = self.diagnosis
+        document["repro"] = str(self.repro)
+        return document
 
 
-def bisect_probe(session: Session, spec: BackendSpec) -> Probe:
-    def probe(config: Config) -> Outcome:
-        row = probe_row(session, spec, config)
-        return Outcome(row.verdict, row.reason, tuple(row.failing_tensors), row.extra)
+def start_from_results(path: Path, index: int) -> tuple[Coords, Path]:
+    """The coordinates of the `index`-th failing row of a results file or sweep folder, and its folder."""
+    from attn_doctor.results.log import load_results
+
+    report, directory = load_results(path)
+    failing = [r for r in report.rows if r.verdict in ("FAIL", "ERROR") and not r.internal]
+    if not failing:
+        raise BadInput(f"{path} has no failing row to start from; every path passed there")
+    if not 0 <= index < len(failing):
+        raise BadInput(f"--row {index}: {path} has {len(failing)} failing rows (0..{len(failing) - 1})")
+    coords = failing[index].coords
+    if coords.kind is ProbeKind.DISTRIBUTED:
+        raise BadInput(f"--row {index} of {path} ran on {coords.nproc} ranks; bisect probes one process (bisect its "
+                       "case with --tp to follow the TP shards)")
+    return knobs.coords_at(coords.case, coords.layout, coords.tp, coords.layers, coords.backend), directory
+
+
+def probe_row(session: Session, coords: Coords) -> Row:
+    """The row of one probe, judged against its baseline (run alongside unless it is the baseline)."""
+    baseline = coords.baseline_coords(BASELINE)
+    return session.run([coords] if coords == baseline else [baseline, coords])[-1]
+
+
+def session_probe(session: Session, progress: ProgressSink) -> Probe:
+    def probe(coords: Coords) -> Outcome:
+        row = probe_row(session, coords)
+        progress.advance(1, f"{coords.describe()}: {row.verdict}")
+        return Outcome(row.verdict, row.reason, tuple(row.failing_tensors), row.extra, internal=row.internal)
 
     return probe
 
 
-def depth_diagnosis(session: Session, spec: BackendSpec, result: BisectResult) -> dict:
+def planned_probes(start: Coords) -> int:
+    """About how many probes a bisect of `start` takes (for the progress bar): the start, each categorical
+    move and their combination, and a binary search per integer knob."""
+    categorical = len(knobs.moves(start))
+    integers = sum(math.ceil(math.log2(len(k.values(start)))) + 1 for k in knobs.INTEGER if len(k.values(start)) > 1)
+    return 1 + 2 * categorical + integers
+
+
+def diagnose(session: Session, result: BisectResult) -> dict:
     """Where the fault first shows: the forward or the backward, and for a depth failure the first layer
     (in backward order, from the deepest) whose dQ leaves the baseline's band."""
     minimal = result.minimal
     if minimal.layers:  # the stack's minimal case, as one call
-        single = probe_row(session, spec, Config(minimal.case, "contiguous", 1))
+        single = probe_row(session, knobs.coords_at(minimal.case, backend=minimal.backend))
         single_verdict, failing = single.verdict, single.failing_tensors
     else:  # the minimal case is one call already, and the bisector probed it
         single_verdict, failing = result.minimal_outcome.verdict, list(result.minimal_outcome.tensors)
@@ -58,3 +116,29 @@ def depth_diagnosis(session: Session, spec: BackendSpec, result: BisectResult) -
         diagnosis["first_layer_out_of_band"] = max(out_of_band) if out_of_band else None
         diagnosis["dq_ratio_by_layer"] = [e / b if b else None for e, b in zip(errors, baseline)]
     return diagnosis
+
+
+def bisect(request: BisectRequest, progress: ProgressSink | None = None) -> BisectReport:
+    """Bisect from the request's start; NothingToBisect when it does not fail, CannotBisect when
+    attn-doctor itself fails on it."""
+    from attn_doctor import __version__
+    from attn_doctor.bisect.repro import write_repro
+    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.machine.fingerprint import collect_env
+
+    request.check()
+    start = request.start
+    check_fits([start.baseline_coords(BASELINE), start], request.device)
+    progress = progress or ProgressSink()
+    progress.begin(planned_probes(start), f"bisect probes of {start.backend.name}")
+    with Session(request.device, request.timeout_s, progress=progress) as session:
+        engine = Bisector(session_probe(session, progress), repeats=request.repeats, valid=knobs.valid)
+        result = engine.run(start)
+        diagnosis = diagnose(session, result)
+        facts = session.facts
+    progress.end()
+    env = collect_env(te_facts=facts.get("te_facts"), probe_te=False)
+    minimal = result.minimal
+    repro_coords = minimal if not minimal.layers else knobs.coords_at(minimal.case, backend=minimal.backend)
+    repro = write_repro(request.directory, repro_coords, env, __version__, request.command)
+    return BisectReport(result, diagnosis, repro, env)

@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from attn_doctor.bisect.engine import Config
+from attn_doctor.core.coords import Coords
 from attn_doctor.machine.fingerprint import EnvReport
 from attn_doctor.verdict.rule import EPS, FLOOR_EPS, MULTIPLE
 
@@ -130,74 +130,6 @@ def megatron_local(q, k, v):
     return context.view(b, h, sq, d).permute(2, 0, 1, 3)
 '''
 
-KERNELS = {
-    "te": '''
-
-FORMAT = "sbhd"
-# Force TE's {path} backend the way TE's own tests do: only its flag on, selection cache invalidated.
-os.environ.update({flags})
-{sub_backend}
-import transformer_engine.pytorch as te  # noqa: E402  (after the flags: TE reads NVTE_* at import and per call)
-from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa  # noqa: E402
-
-
-def kernel(q, k, v, case):
-    dpa._attention_backends["backend_selection_requires_update"] = True
-    module = te.DotProductAttention(case["heads"], case["head_dim"], num_gqa_groups=case["kv_heads"],
-                                    attention_dropout=0.0, qkv_format="sbhd",
-                                    attn_mask_type="causal" if case["mask"] == "causal" else "no_mask",
-                                    window_size=tuple(case["window"]) if case["window"] else None)
-    out = module(q, k, v)
-    state = dpa._attention_backends
-    print("TE ran:", "FusedAttention sub-backend %s" % int(state["fused_attention_backend"])
-          if state["use_fused_attention"] else "FlashAttention" if state["use_flash_attention"] else "Unfused")
-    return out.view(q.shape[0], q.shape[1], case["heads"], case["head_dim"])
-''',
-    "sdpa": '''
-
-FORMAT = "bshd"
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-
-def kernel(q, k, v, case):
-    """PyTorch SDPA with only the {kernel} kernel allowed."""
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    extra = {{"enable_gqa": True}} if case["kv_heads"] != case["heads"] else {{}}
-    plain_causal = case["mask"] == "causal" and case["window"] is None and case["seq"] == case["seq_kv"]
-    mask = None if plain_causal or (case["mask"] == "none" and case["window"] is None) else allowed(case["seq"], case["seq_kv"])
-    with sdpa_kernel([SDPBackend.{enum}]):
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=plain_causal,
-                                             scale=case["head_dim"] ** -0.5, **extra)
-    return out.transpose(1, 2)
-''',
-    "local": '''
-
-FORMAT = "sbhd"
-
-
-def kernel(q, k, v, case):
-    return megatron_local(q, k, v)
-''',
-    "kernel": '''
-
-FORMAT = "bshd"
-import importlib  # noqa: E402
-import importlib.util  # noqa: E402
-
-TARGET, FUNC = {target!r}, {func!r}
-if TARGET.endswith(".py"):
-    spec = importlib.util.spec_from_file_location("user_kernel", TARGET)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-else:
-    module = importlib.import_module(TARGET)
-
-
-def kernel(q, k, v, case):
-    return getattr(module, FUNC)(q, k, v, causal=case["mask"] == "causal", softmax_scale=case["head_dim"] ** -0.5)
-''',
-}
-
 MAIN = '''
 
 def shards(q, k, v, case):
@@ -268,41 +200,30 @@ def _env_lines(env: EnvReport | None) -> str:
     return "\n".join(f"  {label}: {value}" for label, value in env_rows(env) if label != "env vars")
 
 
-def short_id(config: Config, backend: str) -> str:
-    return hashlib.sha1(json.dumps([backend, config.to_dict()], sort_keys=True).encode()).hexdigest()[:8]
+def short_id(coords: Coords) -> str:
+    return hashlib.sha1(json.dumps([coords.backend.name, _knob_dict(coords)], sort_keys=True).encode()).hexdigest()[:8]
 
 
-def write_repro(directory: Path, backend: str, family: str, options: dict, config: Config,
-                env: EnvReport | None, version: str, command: str) -> Path:
-    """Write repro_<backend>_<short-id>.py for the (minimal) failing configuration."""
-    if config.layers:
+def _knob_dict(coords: Coords) -> dict:
+    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
+
+
+def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version: str, command: str) -> Path:
+    """Write repro_<backend>_<short-id>.py for the (minimal) failing probe, one call or TP shards."""
+    from attn_doctor.backends import repro_source
+
+    if coords.layers:
         raise ValueError("a depth failure is reproduced by attn-doctor sweep; the standalone repro covers one call")
-    case = config.case.to_dict()
+    backend = coords.backend.name
+    case = coords.case.to_dict()
     multiple = max(MULTIPLE.values())
-    floor = FLOOR_EPS[config.case.dtype] * EPS[config.case.dtype]
-    text = HEADER.format(title=f"{backend} on {config.describe()}", version=version, command=command.replace('"', "'"),
+    floor = FLOOR_EPS[coords.case.dtype] * EPS[coords.case.dtype]
+    text = HEADER.format(title=f"{backend} on {coords.describe()}", version=version, command=command.replace('"', "'"),
                          env=_env_lines(env), multiple=multiple, case=repr(case),
-                         layout=config.layout, tp=config.tp, floor=floor)
-    text += INPUTS
-    if family == "te":
-        from attn_doctor.backends.te import FLAGS
-
-        flags = {flag: "1" if path == options["path"] else "0" for path, flag in FLAGS.items()}
-        sub = (f'os.environ["NVTE_FUSED_ATTN_BACKEND"] = "{options["sub_backend"]}"'
-               if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)')
-        text += KERNELS["te"].format(path=options["path"], flags=repr(flags), sub_backend=sub)
-    elif family == "sdpa":
-        from attn_doctor.backends.sdpa import KERNELS as SDPA_KERNELS
-
-        enum = SDPA_KERNELS[options["kernel"]].name
-        text += KERNELS["sdpa"].format(kernel=options["kernel"], enum=enum)
-    elif family == "kernel":
-        text += KERNELS["kernel"].format(target=options["target"], func=options["func"])
-    else:
-        text += KERNELS["local"]
-    text += MAIN
+                         layout=coords.layout, tp=coords.tp, floor=floor)
+    text += INPUTS + repro_source(coords.backend) + MAIN
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in backend)
-    path = Path(directory) / f"repro_{safe}_{short_id(config, backend)}.py"
+    path = Path(directory) / f"repro_{safe}_{short_id(coords)}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path

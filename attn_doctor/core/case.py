@@ -1,24 +1,17 @@
-"""The attention problem to check: shapes, dtype, mask and seed, validated, and loaded from recipes."""
+"""The attention problem to check: shapes, dtype, mask and seed, validated; and grids of them."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 from attn_doctor.core.errors import BadInput
 
 DTYPES = ("bf16", "fp16", "fp32")
 MASKS = ("causal", "none")
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @dataclass(frozen=True)
@@ -164,48 +157,19 @@ def make_case(**fields: Any) -> Case:
     return case
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """A TOML file under recipes/: one base case, optionally a grid of values for `sweep`."""
-
-    name: str
-    path: Path
-    description: str
-    case: dict[str, Any]
-    grid: dict[str, list[Any]] = field(default_factory=dict)
+GRID_FIELDS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "window", "seed")
 
 
-def find_recipe(name_or_path: str) -> Path:
-    candidates = [Path(name_or_path)]
-    if not name_or_path.endswith(".toml"):
-        candidates += [Path("recipes") / f"{name_or_path}.toml", RECIPES_DIR / f"{name_or_path}.toml"]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    shipped = sorted(p.stem for p in RECIPES_DIR.glob("*.toml")) if RECIPES_DIR.is_dir() else []
-    raise BadInput(
-        f"no recipe {name_or_path!r}: give a path to a .toml file or one of: {', '.join(shipped) or '(none shipped)'}"
-    )
-
-
-def load_recipe(name_or_path: str) -> Recipe:
-    path = find_recipe(name_or_path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise BadInput(f"recipe {path} is not valid TOML ({exc}); fix the file or pick another recipe") from None
-    case = data.get("case", {})
-    grid = data.get("grid", {})
-    if not isinstance(case, dict) or not isinstance(grid, dict):
-        raise BadInput(f"recipe {path}: [case] and [grid] must be tables")
-    known = {f.name for f in dataclasses.fields(Case)}
-    unknown = sorted(set(case) - known)
+def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[Case]:
+    """The cross product of every gridded case field over the base fields, each validated, duplicates dropped."""
+    unknown = sorted(set(grid) - set(GRID_FIELDS))
     if unknown:
-        raise BadInput(f"recipe {path}: unknown case field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    for key, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise BadInput(f"recipe {path}: grid.{key} must be a non-empty list")
-    if "window" in case and case["window"] is not None:
-        case = {**case, "window": tuple(case["window"])}
-    make_case(**case)  # validate now, so a broken recipe fails before any work starts
-    return Recipe(path.stem, path, str(data.get("description", "")), case, grid)
+        raise BadInput(f"cannot sweep over {', '.join(unknown)}; case fields are {', '.join(GRID_FIELDS)}")
+    names = [n for n in GRID_FIELDS if n in grid]
+    cases, seen = [], set()
+    for values in itertools.product(*(grid[n] for n in names)):
+        case = make_case(**{**base, **dict(zip(names, values))})
+        if case.key() not in seen:
+            seen.add(case.key())
+            cases.append(case)
+    return cases

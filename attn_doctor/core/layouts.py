@@ -15,9 +15,10 @@ is part of what is tested. Tensors are produced in the format a backend asks for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where views are built, so that the command line can list layouts fast
+    import torch
 
 LAYOUTS = ("contiguous", "sb3hd_packed", "sbh3d_packed", "head_slice", "transposed")
 
@@ -36,6 +37,8 @@ def to_format(t_bshd: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_()
 
 
@@ -45,6 +48,8 @@ def _contiguous(q, k, v, fmt):
 
 
 def _sb3hd(q, k, v, fmt):
+    import torch
+
     buffer = torch.stack([t.transpose(0, 1) for t in (q, k, v)], dim=2)  # [s, b, 3, h, d]
     buffer = _leaf(buffer)
     views = [buffer[:, :, i] for i in range(3)]  # sbhd views
@@ -54,6 +59,8 @@ def _sb3hd(q, k, v, fmt):
 
 
 def _sbh3d(q, k, v, fmt):
+    import torch
+
     b, s, h, d = q.shape
     kv_heads = k.shape[2]
     group = h // kv_heads
@@ -69,6 +76,8 @@ def _sbh3d(q, k, v, fmt):
 
 
 def _head_slice(q, k, v, fmt):
+    import torch
+
     views, leaves = [], []
     generator = torch.Generator(device=q.device).manual_seed(7)
     for t in (q, k, v):

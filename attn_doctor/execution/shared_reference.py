@@ -20,6 +20,7 @@ import io
 import pickle
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -30,8 +31,9 @@ from attn_doctor.core.errors import first_line
 class ReferenceStore:
     """Parent side: computes each case's reference on first request and counts the jobs still using it."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, on_progress: Callable[[str], None] | None = None):
         self.device = device
+        self.on_progress = on_progress  # told as a depth stack's float64 replica advances
         self.seconds = 0.0  # computing references, summed
         self.computed = 0
         self.failure: str | None = None  # the last reason sharing fell back to the workers
@@ -94,13 +96,13 @@ class ReferenceStore:
         return tensors
 
     def _compute(self, case: Case, layers: int | None) -> tuple[torch.Tensor, ...]:
-        from attn_doctor.probes.run import TORCH_DTYPES, make_inputs, synchronize
+        from attn_doctor.numerics.inputs import TORCH_DTYPES, make_inputs, synchronize
         from attn_doctor.numerics.reference import attention_reference
         from attn_doctor.probes.stack import float64_replica_dqs
 
         device = torch.device(self.device)
         if layers is not None:
-            tensors = tuple(float64_replica_dqs(case, layers, device, TORCH_DTYPES[case.dtype]))
+            tensors = tuple(float64_replica_dqs(case, layers, device, TORCH_DTYPES[case.dtype], self.on_progress))
         else:
             inputs = make_inputs(case, device)
             reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,

@@ -524,3 +524,16 @@ def describe(match: Match) -> str:
 
 def describe_all(matches: Sequence[Match]) -> list[str]:
     return [describe(m) for m in matches]
+
+
+def case_descriptions(env: EnvReport, cases: Sequence[tuple[Case, Sequence[str | None]]]) -> list[str]:
+    """One line per known bug that matches the machine and any of the cases (each case with the qkv formats
+    it ran in; None: a path whose format no rule is written for)."""
+    bugs = load_known_bugs()
+    found: dict[str, str] = {}
+    for case, formats in cases:
+        for qkv_format in formats or [None]:
+            context = MatchContext.from_env(env, qkv_format=qkv_format)
+            for match in match_case(bugs, env, case, context):
+                found.setdefault(match.bug.id, describe(match))
+    return list(found.values())

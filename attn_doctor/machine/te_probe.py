@@ -132,3 +132,13 @@ def _main() -> int:
 
 if __name__ == "__main__":
     sys.exit(_main())
+
+
+def te_installed() -> bool:
+    """Whether transformer_engine can be found (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False

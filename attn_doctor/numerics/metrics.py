@@ -69,3 +69,8 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor) -> TensorMetrics:
     head_rel = torch.nan_to_num(head_rel, nan=0.0)
     worst = math.sqrt(float(head_rel.max())) if head_rel.numel() else 0.0
     return TensorMetrics(rel, float(max_abs), cosine, worst, nan, inf, ref_nonfinite)
+
+
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (the quantity the bug reports measured between two implementations)."""
+    return compare(a, b.to(torch.float64)).rel_err

@@ -409,3 +409,20 @@ def naive_reference(
     out = torch.matmul(probs, vh).transpose(1, 2)
     dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.to(torch.float64))
     return Reference(out.detach(), dq, dk, dv, lse.detach())
+
+
+def reference_bytes(batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int, head_dim: int,
+                    device: torch.device, block_bytes: int | None = None) -> tuple[int, int]:
+    """(kept, scratch): bytes of the float64 out, dq, dk, dv and lse `attention_reference` returns, and the
+    peak of what it allocates on top while it works (extended k and v, the tiles of its plan)."""
+    group = heads // kv_heads
+    pairs = batch * kv_heads
+    width = -(-(head_dim + 1) // 8) * 8
+    kept = 8 * (2 * batch * seq_q * heads * head_dim + 2 * batch * seq_kv * kv_heads * head_dim + batch * heads * seq_q)
+    plan = plan_tiles(pairs, group, seq_q, seq_kv, device, block_bytes)
+    if plan.keep:
+        tiles = plan.pairs * group * plan.rows * (seq_kv + plan.cols) * 8
+    else:
+        tiles = plan.pairs * group * plan.rows * plan.cols * 8 * 2
+    rows = 3 * plan.pairs * group * plan.rows * width * 8  # a block's q, dout and their gradient, upcast
+    return kept, 2 * pairs * seq_kv * width * 8 + tiles + rows

@@ -1,0 +1,35 @@
+"""Probes: what a worker process does with one set of coordinates (`attn_doctor.core.coords`).
+
+Each kind that runs in a worker is one module with `run(backend, coords, caches, progress)`; DISTRIBUTED
+probes run on torchrun ranks instead (`attn_doctor.distributed`). `plan` turns requests into coordinates.
+"""
+
+from __future__ import annotations
+
+from attn_doctor.backends import Backend
+from attn_doctor.core.coords import Coords, ProbeKind
+from attn_doctor.probes import call, depth, tp
+from attn_doctor.probes.caches import Caches, Progress
+from attn_doctor.probes.outcome import ProbeOutcome
+
+RUNNERS = {ProbeKind.CALL: call.run, ProbeKind.TP: tp.run, ProbeKind.DEPTH: depth.run}
+
+
+def run_probe(backend: Backend, coords: Coords, caches: Caches, progress: Progress | None = None) -> ProbeOutcome:
+    """Run `backend` at `coords`: an "ok" outcome with metrics, or "skip" when the backend refuses the case.
+    The kernel's own exceptions come out as KernelError; any other exception is attn-doctor's."""
+    from attn_doctor.backends import Unsupported
+
+    why_not = backend.unsupported(coords.case, caches.device)
+    if why_not:
+        return ProbeOutcome("skip", reason=why_not)
+    try:
+        outcome = RUNNERS[coords.kind](backend, coords, caches, progress)
+    except Unsupported as exc:
+        return ProbeOutcome("skip", reason=str(exc))
+    cache = caches.depth if coords.kind is ProbeKind.DEPTH else caches.case
+    outcome.extra["reference"] = cache.reference_source
+    return outcome
+
+
+__all__ = ["Caches", "ProbeOutcome", "RUNNERS", "run_probe"]

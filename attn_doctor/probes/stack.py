@@ -25,6 +25,8 @@ from attn_doctor.numerics.reference import Float64Attention
 
 # attention(q, k, v) on sbhd tensors [s, b, heads, d] -> out [s, b, heads, d]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Called as each layer's forward ("forward", index) and backward ("backward", index) is done.
+OnLayer = Callable[[str, int], None]
 INIT_STD = 0.02
 
 
@@ -92,6 +94,7 @@ def run_stack(
     case: Case,
     attention: Attention,
     tp: int = 1,
+    on_layer: OnLayer | None = None,
 ) -> list[torch.Tensor]:
     """Forward and backward through the stack; returns dQ of every layer (sbhd, first layer first)."""
     hidden = case.heads * case.head_dim
@@ -109,33 +112,47 @@ def run_stack(
         for shard in range(tp):
             part = mixed[:, :, shard * groups_per_shard:(shard + 1) * groups_per_shard]
             q, k, v = split_qkv(part, case)
-            q.register_hook(_store(dqs, index, shard, tp))
+            q.register_hook(_store(dqs, index, shard, tp, on_layer))
             outs.append(attention(q, k, v))
         context = torch.cat(outs, dim=2) if tp > 1 else outs[0]
         h = h + F.linear(context.reshape(s, b, hidden), w.proj_weight, w.proj_bias)
+        if on_layer is not None:
+            on_layer("forward", index)
     y = F.layer_norm(h, (hidden,), *inputs.final_ln, eps=1e-5)
     y.backward(inputs.dy)
     return [dq.detach() for dq in dqs]
 
 
-def _store(dqs: list, index: int, shard: int, tp: int):
+def _store(dqs: list, index: int, shard: int, tp: int, on_layer: OnLayer | None):
     def hook(grad: torch.Tensor) -> None:
         if tp == 1:
             dqs[index] = grad.detach()
-            return
-        if dqs[index] is None:
-            dqs[index] = [None] * tp
-        dqs[index][shard] = grad.detach()
-        if all(part is not None for part in dqs[index]):
+        else:
+            if dqs[index] is None:
+                dqs[index] = [None] * tp
+            dqs[index][shard] = grad.detach()
+            if not all(part is not None for part in dqs[index]):
+                return
             dqs[index] = torch.cat(dqs[index], dim=2)
+        if on_layer is not None:
+            on_layer("backward", index)
 
     return hook
 
 
-def float64_replica_dqs(case: Case, layers: int, device: torch.device, model_dtype: torch.dtype) -> list[torch.Tensor]:
+def float64_replica_dqs(case: Case, layers: int, device: torch.device, model_dtype: torch.dtype,
+                        progress: Callable[[str], None] | None = None) -> list[torch.Tensor]:
     """dQ at every layer of the stack's float64 replica (the model's weights, upcast): the depth reference."""
     stack = make_stack(case, layers, device, model_dtype)
-    return run_stack(stack.to(torch.float64), case, float64_attention(case))
+    return run_stack(stack.to(torch.float64), case, float64_attention(case),
+                     on_layer=layer_progress("float64 replica", layers, progress))
+
+
+def layer_progress(what: str, layers: int, progress: Callable[[str], None] | None) -> OnLayer | None:
+    """A run_stack callback that reports "WHAT: forward layer 3/24" through `progress`."""
+    if progress is None:
+        return None
+    return lambda phase, index: progress(f"{what}: {phase} layer {index + 1}/{layers}")
 
 
 def float64_attention(case: Case) -> Attention:
@@ -145,3 +162,32 @@ def float64_attention(case: Case) -> Attention:
         return out.transpose(0, 1)
 
     return attention
+
+
+class BackendAttention:
+    """A backend as the core attention of a stack: sbhd in, sbhd out, whatever format it wants."""
+
+    def __init__(self, backend, case: Case):
+        self.backend, self.case = backend, case
+        self.last_out: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend.qkv_format == "bshd":
+            out = self.backend.forward(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.case)
+            self.last_out = out
+            return out.transpose(0, 1)
+        self.last_out = self.backend.forward(q, k, v, self.case)
+        return self.last_out
+
+
+def stack_bytes(case: Case, layers: int, itemsize: int, attention_saved: int) -> int:
+    """Bytes a stack run holds at its peak (the end of the forward): the weights, and per layer what autograd
+    keeps for the backward (the layer norm's input and output, the mixed qkv, the attention output and its
+    projection, the attention's own `attention_saved`), plus the per-layer dQ it returns."""
+    hidden = case.heads * case.head_dim
+    qkv_out = (case.heads + 2 * case.num_kv_heads) * case.head_dim
+    tokens = case.seq * case.batch
+    weights = (qkv_out * hidden + hidden * hidden + 2 * qkv_out + 4 * hidden) * itemsize
+    activations = tokens * (4 * hidden + qkv_out) * itemsize + attention_saved
+    dq = tokens * hidden * itemsize
+    return layers * (weights + activations + dq) + 2 * tokens * hidden * itemsize

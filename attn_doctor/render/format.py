@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from attn_doctor.results.document import Row
+from attn_doctor.results.row import Row
 
 TENSOR_TITLES = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV"}
 
@@ -44,7 +44,7 @@ def display_rows(rows: list[Row]) -> list[tuple[Row, str]]:
     shown: list[tuple[Row, str]] = []
     by_backend: dict[tuple, list[Row]] = {}
     for row in rows:
-        by_backend.setdefault((row.backend, row.case.key(), tuple(sorted(row.coords.items()))), []).append(row)
+        by_backend.setdefault((row.backend, row.case.key(), tuple(row.coords.params().items())), []).append(row)
     for group in by_backend.values():
         if len(group) > 1 and all(r.verdict == "SKIP" for r in group) and len({r.reason for r in group}) == 1:
             shown.append((group[0], "all"))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import base64
 from html import escape
 
+from attn_doctor.verdict.depth import depth_lines
 from attn_doctor.render.env_view import env_rows
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
-from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, depth_rows, dq_in_eps, sort_rows,
+from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, dq_in_eps, sort_rows,
                                             tensor_names)
-from attn_doctor.results.document import Row
+from attn_doctor.results.row import Row
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
@@ -62,7 +63,7 @@ def _results_table(rows: list[Row]) -> str:
     out = []
     for row, layout in sort_rows(display_rows(call_rows(rows))):
         cells = [_cell(row.backend), _cell(row.ran if row.tensors else row.reason), _cell(layout),
-                 _cell(row.case.short() + row.coords_text())]
+                 _cell(row.case.short() + row.coords.text())]
         for n in names:
             t = row.tensors.get(n)
             cells.append(_cell(sci(t.rel_err) if t else "", sort=t.rel_err if t else None,
@@ -78,7 +79,7 @@ def _results_table(rows: list[Row]) -> str:
 
 def _depth_table(rows: list[Row]) -> str:
     body = []
-    for d in depth_rows(rows):
+    for d in depth_lines(rows):
         body.append(f'<tr class="{escape(d.verdict)}">' + "".join([
             _cell(d.backend), _cell(d.tp, css="num"), _cell(d.layers, css="num"),
             _cell(sci(d.dq_first), sort=d.dq_first, css="num"), _cell(sci(d.dq_last), sort=d.dq_last, css="num"),

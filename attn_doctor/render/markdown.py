@@ -7,11 +7,13 @@ with failing rows first, the reproduce commands, and the long details folded int
 
 from __future__ import annotations
 
+from attn_doctor.verdict.depth import depth_lines
+from attn_doctor.verdict.rule import rule_sentence
 from attn_doctor.render.env_view import env_markdown
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci, tensor_cell
-from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, depth_rows, dq_in_eps, sort_rows,
+from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, dq_in_eps, sort_rows,
                                             tensor_names)
-from attn_doctor.results.document import Row
+from attn_doctor.results.row import Row
 
 
 escape = md_escape
@@ -45,7 +47,7 @@ def results_markdown(rows: list[Row]) -> str:
     body = []
     for row, layout in sort_rows(display_rows(shown_rows)):
         ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
-        knobs = row.case.short() + row.coords_text()
+        knobs = row.case.short() + row.coords.text()
         distance = [sci(row.extra["dq_vs_tp1"]) if "dq_vs_tp1" in row.extra else ""] if tp_distance else []
         body.append([escape(row.backend), escape(ran), escape(layout), escape(knobs)]
                     + [tensor_text(row, n) for n in names] + [dq_in_eps(row)] + distance + [_verdict(row)])
@@ -55,7 +57,7 @@ def results_markdown(rows: list[Row]) -> str:
 def depth_markdown(rows: list[Row]) -> str:
     body = [[escape(d.backend), str(d.tp), str(d.layers), sci(d.dq_first), sci(d.dq_last), sci(d.baseline_dq_first),
              ratio(d.ratio), sci(d.vs_baseline), sci(d.vs_tp1) if d.vs_tp1 is not None else "", d.verdict]
-            for d in depth_rows(rows)]
+            for d in depth_lines(rows)]
     if not body:
         return ""
     header = ["backend", "TP", "layers", "dQ err, layer 1", "dQ err, last layer", "local's dQ err, layer 1",
@@ -77,8 +79,7 @@ def report_markdown(data: ReportData) -> str:
         parts += ["### Results", "",
                   "Relative L2 error against float64 (computed from the same low-precision inputs), in parentheses "
                   "its ratio to the Megatron-local baseline's error on the same inputs; ε is the dtype's machine "
-                  "epsilon. A tensor FAILs above 3× the baseline (plus a floor of 0.1 ε in bf16/fp16, 1 ε in fp32) "
-                  "or on NaN/Inf.", "", results, ""]
+                  f"epsilon. {rule_sentence()}", "", results, ""]
     depth = depth_markdown(report.rows)
     if depth:
         parts += ["### dQ against depth", "",

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attn_doctor.core.coords import ProbeKind
 from attn_doctor.machine.fingerprint import EnvReport
-from attn_doctor.core.errors import BadInput
 from attn_doctor.render.env_view import fact_cell
 from attn_doctor.render.format import display_rows
-from attn_doctor.results.document import Row, RunReport, read_report
+from attn_doctor.results.report import RunReport
+from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import EPS, TENSORS
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
@@ -46,37 +47,9 @@ class ReportData:
         return self.directory / name if name else None
 
 
-def load_results(path: Path) -> ReportData:
-    """A run's results.json, a sweep directory (results.json, or results.jsonl of an interrupted sweep)."""
-    path = Path(path)
-    if path.is_dir():
-        if (path / "results.json").is_file():
-            path = path / "results.json"
-        elif (path / "results.jsonl").is_file():
-            return ReportData(_from_jsonl(path / "results.jsonl"), path)
-        else:
-            raise BadInput(f"{path} holds no results.json or results.jsonl; pass a results file or a sweep directory")
-    if path.suffix == ".jsonl":
-        return ReportData(_from_jsonl(path), path.parent)
-    return ReportData(read_report(path), path.parent)
-
-
-def _from_jsonl(path: Path) -> RunReport:
-    from attn_doctor.verdict.diagnosis import find_faulty, summarize
-    from attn_doctor.workflows.sweep import read_records
-
-    records, _torn = read_records(path, "the file may be truncated or foreign", skip_blank=True)
-    rows = [record.row for record in records]  # unfinished points too: this is what the sweep got to
-    if not rows:
-        raise BadInput(f"{path} holds no results yet")
-    faulty = find_faulty(rows)
-    return RunReport(command=f"(interrupted sweep, read from {path.name})", device="", env=None, rows=rows,
-                     faulty=faulty, summary=summarize(rows, faulty))
-
-
 def call_rows(rows: list[Row]) -> list[Row]:
     """The rows of single attention calls (layouts, TP shards): the results table; depth rows have theirs."""
-    return [row for row in rows if row.coords.get("probe") != "depth"]
+    return [row for row in rows if row.coords.kind is not ProbeKind.DEPTH]
 
 
 def tensor_names(rows: list[Row]) -> list[str]:
@@ -94,10 +67,6 @@ def sort_rows(pairs):
     return sorted(pairs, key=lambda pair: FAILING_FIRST.get(pair[0].verdict, 9))
 
 
-def depth_rows(rows: list[Row]):
-    from attn_doctor.workflows.sweep import depth_lines
-
-    return depth_lines(rows)
 
 
 def compact_env(env: EnvReport) -> list[list[str]]:

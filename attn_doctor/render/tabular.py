@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from attn_doctor.results.document import RunReport
+from attn_doctor.results.report import RunReport
 
 
 def results_frame(report: RunReport) -> pd.DataFrame:
@@ -16,7 +16,7 @@ def results_frame(report: RunReport) -> pd.DataFrame:
             "ran": row.ran,
             "layout": row.layout,
             **{f"case_{k}": (",".join(map(str, v)) if isinstance(v, list) else v) for k, v in row.case.to_dict().items()},
-            **{f"coord_{k}": v for k, v in row.coords.items()},
+            **{f"coord_{k}": v for k, v in row.coords.params().items()},
             "row_verdict": row.verdict,
         }
         if not row.tensors:

@@ -1,4 +1,10 @@
-"""Rich rendering of a run: the results table and the closing verdict sentence."""
+"""What `run`, `sweep` and `bisect` print, with rich: every number and every verdict fits an 80-column
+terminal, a pipe and a CI log (`--wide` puts what ran back into a column, for a wide terminal).
+
+The results table has one row per backend x layout and one column per tensor; each cell holds the
+tensor's error against float64 over its ratio to the local baseline's error. What ran, the reasons of
+SKIP and ERROR rows and the verdict sentence follow the table as lines, which wrap instead of being cut.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,53 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from attn_doctor.render.format import TENSOR_TITLES, display_rows, tensor_cell
-from attn_doctor.results.document import Row
-from attn_doctor.verdict.rule import TENSORS
+from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci, tensor_cell
+from attn_doctor.results.row import Row
+from attn_doctor.verdict.rule import TENSORS, floor_text, multiple_text
 
 VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold magenta", "SKIP": "dim"}
 
 
-def results_table(rows: list[Row], title: str | None = None) -> Table:
-    """One row per backend x layout: what ran, error vs float64 (ratio to the baseline), verdict."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", caption=(
-        "err: relative L2 error vs float64; ×: ratio to the local baseline's error; FAIL above 3× (or NaN/Inf)"))
+def _table(title: str | None = None, caption: str | None = None) -> Table:
+    # One space between columns and none at the edges: the widest row of every table here stays within 80.
+    return Table(title=title, caption=caption, box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1, 0, 0),
+                 pad_edge=False, collapse_padding=True)
+
+
+def results_caption() -> str:
+    return (f"err: relative L2 error vs float64, over ×: its ratio to the local baseline's error; FAIL above "
+            f"{multiple_text()} (plus {floor_text()}) or on NaN/Inf")
+
+
+def _cell(row: Row, name: str) -> Text:
+    t = row.tensors.get(name)
+    if t is None:
+        return Text("")
+    text = f"{sci(t.rel_err)}\n{ratio(t.ratio)}"
+    if t.nan or t.inf:
+        text += f"\nNaN {t.nan}\nInf {t.inf}"
+    return Text(text, style="red" if t.verdict == "FAIL" else "")
+
+
+def results_table(rows: list[Row], title: str | None = None, wide: bool = False) -> Table:
+    """One row per backend x layout: error vs float64 and ratio to the baseline per tensor, and the verdict
+    (`wide`: one line per row, with what ran in a column)."""
+    if wide:
+        return _wide_results_table(rows, title)
+    table = _table(title, results_caption())
+    table.add_column("backend", overflow="fold", max_width=24)
+    table.add_column("layout", no_wrap=True)
+    for name in TENSORS:
+        table.add_column(f"{TENSOR_TITLES[name]} err\n×base", justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
+    for row, layout in display_rows(rows):
+        table.add_row(row.backend, layout, *(_cell(row, name) for name in TENSORS),
+                      Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
+    return table
+
+
+def _wide_results_table(rows: list[Row], title: str | None) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, header_style="bold", caption=results_caption())
     table.add_column("backend", no_wrap=True)
     table.add_column("layout", no_wrap=True)
     table.add_column("ran", ratio=1, min_width=26)
@@ -25,16 +67,29 @@ def results_table(rows: list[Row], title: str | None = None) -> Table:
     table.add_column("verdict", no_wrap=True)
     for row, layout in display_rows(rows):
         if row.tensors:
-            cells = []
-            for name in TENSORS:
-                failed = row.tensors.get(name) is not None and row.tensors[name].verdict == "FAIL"
-                cells.append(Text(tensor_cell(row, name), style="red" if failed else ""))
+            cells = [Text(tensor_cell(row, name), style="red" if name in row.failing_tensors else "")
+                     for name in TENSORS]
             ran = row.ran
         else:
             cells = [Text("")] * len(TENSORS)
             ran = Text("see below", style="dim")
         table.add_row(row.backend, layout, ran, *cells, Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
     return table
+
+
+def ran_lines(rows: list[Row]) -> list[Text]:
+    """What ran, read back from each library: one line per backend and distinct answer (its layouts when
+    they differ)."""
+    by_backend: dict[str, dict[str, list[str]]] = {}
+    for row in rows:
+        if row.ran and row.tensors:
+            by_backend.setdefault(row.backend, {}).setdefault(row.ran, []).append(row.layout)
+    lines = []
+    for backend, answers in by_backend.items():
+        for ran, where in answers.items():
+            on = f" (on {', '.join(dict.fromkeys(where))})" if len(answers) > 1 else ""
+            lines.append(Text.assemble(("ran ", "dim"), f"{backend}: {ran}{on}"))
+    return lines
 
 
 def notes_lines(rows: list[Row]) -> list[Text]:
@@ -48,12 +103,27 @@ def notes_lines(rows: list[Row]) -> list[Text]:
     return lines
 
 
+def summary_text(report) -> Text:
+    return Text(report.summary, style="bold red" if report.faulty else "bold green")
+
+
+def run_view(report, title: str, wide: bool = False) -> list:
+    """`run`'s output after the environment: the table, what ran, why rows were skipped, the verdict."""
+    views: list = [results_table(report.rows, title=title, wide=wide)]
+    if not wide:
+        views += ran_lines(report.rows)
+    views += notes_lines(report.rows)
+    views.append(summary_text(report))
+    return views
+
+
 def tally_table(tallies) -> Table:
     """Per backend: rows passing / failing / erroring / skipped, and the failing cases."""
-    table = Table(title="sweep summary", box=box.SIMPLE_HEAD, header_style="bold")
+    table = _table("sweep summary")
     for name in ("backend", "pass", "fail", "error", "skip"):
-        table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=True)
-    table.add_column("failing cases", ratio=1)
+        table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=name != "backend",
+                         overflow="fold")
+    table.add_column("failing cases", ratio=1, overflow="fold")
     for t in tallies:
         failing = "\n".join(t.failing_cases[:8]) + (f"\n… {len(t.failing_cases) - 8} more" if len(t.failing_cases) > 8 else "")
         table.add_row(t.backend, str(t.passed), Text(str(t.failed), style="red" if t.failed else ""),
@@ -62,26 +132,43 @@ def tally_table(tallies) -> Table:
 
 
 def depth_table(lines) -> Table:
-    """dQ error at the first and last layer per backend and depth, against the baseline and pairwise."""
-    from attn_doctor.render.format import ratio, sci
-
-    table = Table(title="dQ against depth", box=box.SIMPLE_HEAD, header_style="bold")
-    for name in ("backend", "TP", "layers", "dQ err L1", "dQ err last", "local dQ err L1", "× base",
-                 "‖dQ−dQ_local‖ L1", "‖dQ−dQ_TP1‖ L1", "verdict"):
-        table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=True)
+    """dQ error at the first and last layer per backend and depth, against the baseline and pairwise (the TP
+    columns only when a TP degree above 1 ran)."""
+    with_tp = any(line.tp > 1 for line in lines)
+    table = _table("dQ against depth", "err: dQ relative error vs the stack's float64 replica; L1: first layer; "
+                   "‖−local‖, ‖−TP1‖: distance to the local baseline's dQ and to TP=1's")
+    columns = ["backend", *(["TP"] if with_tp else []), "layers", "err\nL1", "err\nlast", "local\nL1", "×base",
+               "‖−local‖\nL1", *(["‖−TP1‖\nL1"] if with_tp else []), "verdict"]
+    for name in columns:
+        table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=name != "backend",
+                         overflow="fold", max_width=18 if name == "backend" else None)
     for line in lines:
-        table.add_row(line.backend, str(line.tp), str(line.layers), sci(line.dq_first), sci(line.dq_last),
-                      sci(line.baseline_dq_first), ratio(line.ratio), sci(line.vs_baseline),
-                      sci(line.vs_tp1) if line.vs_tp1 is not None else "",
-                      Text(line.verdict, style=VERDICT_STYLE.get(line.verdict, "")))
+        cells = [line.backend, *([str(line.tp)] if with_tp else []), str(line.layers), sci(line.dq_first),
+                 sci(line.dq_last), sci(line.baseline_dq_first), ratio(line.ratio), sci(line.vs_baseline)]
+        if with_tp:
+            cells.append(sci(line.vs_tp1) if line.vs_tp1 is not None else "")
+        table.add_row(*cells, Text(line.verdict, style=VERDICT_STYLE.get(line.verdict, "")))
     return table
+
+
+def sweep_view(report) -> list:
+    """`sweep`'s output: per-backend counts, the depth table, the ERROR rows' reasons, the verdict."""
+    from attn_doctor.verdict.diagnosis import tally
+
+    views: list = [tally_table(tally(report.rows))]
+    if report.depth_lines:
+        views.append(depth_table(report.depth_lines))
+    views += notes_lines([r for r in report.rows if r.verdict == "ERROR"])
+    views.append(summary_text(report))
+    return views
 
 
 def bisect_tables(result, backend: str, diagnosis: dict) -> list:
     """The probes taken, the minimal failing case and the necessary conditions."""
-    steps = Table(title=f"bisect of {backend}: probes", box=box.SIMPLE_HEAD, header_style="bold")
+    steps = _table(f"bisect of {backend}: probes")
     for name in ("#", "knob", "tried", "configuration", "verdict", "still fails"):
-        steps.add_column(name, no_wrap=name != "configuration")
+        steps.add_column(name, no_wrap=name not in ("configuration", "tried"), overflow="fold",
+                         ratio=1 if name == "configuration" else None)
     for number, step in enumerate(result.steps):
         steps.add_row(str(number), step.knob, step.tried, step.config,
                       Text(step.verdict, style=VERDICT_STYLE.get(step.verdict, "")), "yes" if step.fails else "no")
@@ -94,6 +181,6 @@ def bisect_tables(result, backend: str, diagnosis: dict) -> list:
         lines.append(Text("necessary conditions: none — it fails on the plainest case tried", style="bold"))
     lines.append(Text(f"first wrong: {diagnosis.get('first_wrong')}"))
     if diagnosis.get("first_layer_out_of_band") is not None:
-        lines.append(Text(f"first layer (from the deepest) whose dQ leaves 3× the baseline: "
+        lines.append(Text(f"first layer (from the deepest) whose dQ leaves {multiple_text()} the baseline: "
                           f"{diagnosis['first_layer_out_of_band']}"))
     return lines

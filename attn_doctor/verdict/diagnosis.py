@@ -1,58 +1,53 @@
-"""From measured rows to verdicts and to the one sentence that names the faulty kernel paths."""
+"""From judged rows to what a run concludes: the faulty paths, the one sentence that names them, whether
+anything the user asked for was tested at all, and per-backend counts. Everything here is derived from
+the rows (and the backends the user asked for); `RunReport` exposes it, nothing stores it."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from attn_doctor.backends import BASELINE
-from attn_doctor.results.document import Faulty, Row
-from attn_doctor.verdict.rule import ERROR, FAIL, PASS, combine, judge_tensor
+from attn_doctor.verdict.depth import depth_findings, depth_lines, depth_sentence
+from attn_doctor.verdict.rule import ERROR, FAIL, PASS, SKIP
 
-BASELINE_LAYOUT = "contiguous"
-
-
-def baseline_key(row: Row) -> tuple:
-    """Rows with equal keys are judged against the same baseline row (same inputs, same probe)."""
-    if row.coords.get("probe") == "depth":
-        return (row.case.key(), "depth", row.coords["layers"])
-    return (row.case.key(), "single call")
+if TYPE_CHECKING:
+    from attn_doctor.results.row import Row
 
 
-def is_baseline(row: Row) -> bool:
-    if row.backend != BASELINE or not row.metrics:
-        return False
-    if row.coords.get("probe") == "depth":
-        return row.coords.get("tp", 1) == 1
-    return row.layout == BASELINE_LAYOUT and not row.coords
+@dataclass(frozen=True)
+class Faulty:
+    """One kernel path that computes something wrong (or crashes), with where and what."""
 
+    backend: str
+    ran: str
+    verdict: str  # FAIL or ERROR
+    layouts: tuple[str, ...]
+    tensors: tuple[str, ...]
+    cases: tuple[str, ...]
+    worst_ratio: float
+    nonfinite: tuple[str, ...] = ()  # failing tensors that hold NaN or Inf
 
-def judge(rows: list[Row]) -> list[Row]:
-    """Fill each measured row's per-tensor verdicts against the baseline row of the same inputs."""
-    baselines = {baseline_key(row): row for row in rows if is_baseline(row)}
-    for row in rows:
-        if not row.metrics:
-            continue  # SKIP and ERROR rows keep the verdict the worker gave them
-        baseline = baselines.get(baseline_key(row))
-        if baseline is None:
-            row.verdict = ERROR
-            row.reason = "no baseline: the local baseline did not run on these inputs"
-            continue
-        row.tensors = {
-            name: judge_tensor(name, metrics, baseline.metrics[name], row.case.dtype)
-            for name, metrics in row.metrics.items()
-            if name in baseline.metrics
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "ran": self.ran,
+            "verdict": self.verdict,
+            "layouts": list(self.layouts),
+            "tensors": list(self.tensors),
+            "cases": list(self.cases),
+            "worst_ratio": self.worst_ratio,
+            "nonfinite": list(self.nonfinite),
         }
-        row.verdict = combine([t.verdict for t in row.tensors.values()])
-        if row.verdict == FAIL:
-            row.reason = "; ".join(f"{name}: {t.why}" for name, t in row.tensors.items() if t.verdict == FAIL)
-    return rows
 
 
 def find_faulty(rows: list[Row]) -> list[Faulty]:
-    """Group FAIL and ERROR rows by backend: which layouts, which tensors, which cases."""
+    """Group FAIL and ERROR rows by backend: which layouts, which tensors, which cases. An ERROR that is
+    attn-doctor's own (`Row.internal`) names no kernel path."""
     groups: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
-        if row.verdict in (FAIL, ERROR):
+        if row.verdict == FAIL or (row.verdict == ERROR and not row.internal):
             groups[row.backend].append(row)
     faulty = []
     for backend, bad in groups.items():
@@ -65,23 +60,14 @@ def find_faulty(rows: list[Row]) -> list[Faulty]:
                 backend=backend,
                 ran=next((row.ran for row in bad if row.ran), ""),
                 verdict=FAIL if any(row.verdict == FAIL for row in bad) else ERROR,
-                layouts=tuple(dict.fromkeys(_place(row) for row in bad)),
+                layouts=tuple(dict.fromkeys(row.coords.place() for row in bad)),
                 tensors=tuple(tensors),
                 cases=tuple(dict.fromkeys(row.case.short() for row in bad)),
-                worst_ratio=max(ratios) if ratios else float("nan"),
+                worst_ratio=max(ratios) if ratios else math.nan,
                 nonfinite=tuple(nonfinite),
             )
         )
     return faulty
-
-
-def _place(row: Row) -> str:
-    """Where a row ran: its layout, plus the rank grid of a distributed probe."""
-    if row.coords.get("probe") == "distributed":
-        c = row.coords
-        cp = f" x CP={c['cp']} {c.get('cp_comm_type') or ''}".rstrip() if c.get("cp", 1) > 1 else ""
-        return f"{row.layout} (TP={c.get('tp', 1)}{cp}, {c.get('nproc')} ranks)"
-    return row.layout
 
 
 def _tensor_phrase(tensors: tuple[str, ...]) -> str:
@@ -95,24 +81,102 @@ def _tensor_phrase(tensors: tuple[str, ...]) -> str:
     return " and ".join(parts)
 
 
-def summarize(rows: list[Row], faulty: list[Faulty]) -> str:
+def requested_rows(rows: list[Row], requested: list[str] | None) -> list[Row]:
+    """The rows of the backends the user asked for (all rows when that is not recorded)."""
+    if requested is None:
+        return rows
+    wanted = set(requested)
+    return [row for row in rows if row.backend in wanted]
+
+
+def untested(rows: list[Row], requested: list[str] | None) -> str | None:
+    """Why nothing the user asked for was tested (every requested probe skipped), or None when something was.
+    One line: the reasons, most common first."""
+    asked = requested_rows(rows, requested)
+    if any(row.verdict != SKIP for row in asked):
+        return None
+    if not asked:
+        return "nothing was tested: no probe of the requested backends was planned"
+    reasons: dict[str, list[str]] = {}
+    for row in asked:
+        reasons.setdefault(row.reason or "skipped", [])
+        if row.backend not in reasons[row.reason or "skipped"]:
+            reasons[row.reason or "skipped"].append(row.backend)
+    ordered = sorted(reasons.items(), key=lambda item: -len(item[1]))
+    first, backends = ordered[0]
+    more = f" (and {len(ordered) - 1} other reason{'s' if len(ordered) > 2 else ''}; see the table)" if len(ordered) > 1 else ""
+    return f"nothing was tested: every requested path was skipped here; {', '.join(backends)}: {first}{more}"
+
+
+def summarize(rows: list[Row], requested: list[str] | None = None) -> str:
+    """The run's conclusion in one paragraph: the faulty paths (or that all agree), attn-doctor's own
+    errors, and for depth probes how the error grows with depth."""
     tested = [row for row in rows if row.verdict in (PASS, FAIL, ERROR)]
-    if not tested:
-        return "No backend could run here: every row was skipped."
-    if not faulty:
-        return f"All {len(tested)} tested paths agree with float64 as closely as a correct implementation in this dtype."
-    sentences = []
-    for f in faulty:
-        ran = f" [{f.ran}]" if f.ran and f.ran != f.backend else ""
-        where = ", ".join(f.layouts)
-        if f.verdict == FAIL:
-            if f.nonfinite:
-                how = f" (NaN/Inf in {', '.join(f.nonfinite)})"
-            elif f.worst_ratio == f.worst_ratio:
-                how = f" (up to {f.worst_ratio:.1f}x the baseline's error)"
+    faulty = find_faulty(rows)
+    if untested(rows, requested) is not None:
+        text = "No requested path could run here: every one was skipped." if tested else \
+            "No backend could run here: every row was skipped."
+    elif not faulty:
+        text = f"All {len(tested)} tested paths agree with float64 as closely as a correct implementation in this dtype."
+    else:
+        sentences = []
+        for f in faulty:
+            ran = f" [{f.ran}]" if f.ran and f.ran != f.backend else ""
+            where = ", ".join(f.layouts)
+            if f.verdict == FAIL:
+                if f.nonfinite:
+                    how = f" (NaN/Inf in {', '.join(f.nonfinite)})"
+                elif not math.isnan(f.worst_ratio):
+                    how = f" (up to {f.worst_ratio:.1f}x the baseline's error)"
+                else:
+                    how = ""
+                sentences.append(f"{f.backend}{ran} computes {_tensor_phrase(f.tensors)}{how} on layout {where}")
             else:
-                how = ""
-            sentences.append(f"{f.backend}{ran} computes {_tensor_phrase(f.tensors)}{how} on layout {where}")
-        else:
-            sentences.append(f"{f.backend}{ran} crashed or hung on layout {where}")
-    return "Faulty: " + "; ".join(sentences) + "."
+                sentences.append(f"{f.backend}{ran} crashed or hung on layout {where}")
+        text = "Faulty: " + "; ".join(sentences) + "."
+    internal = [row for row in rows if row.verdict == ERROR and row.internal]
+    if internal:
+        names = ", ".join(dict.fromkeys(row.backend for row in internal))
+        text += (f" attn-doctor itself failed while probing {names} ({len(internal)} probe"
+                 f"{'s' if len(internal) > 1 else ''}): a bug in attn-doctor, not in the kernel; see the ERROR rows.")
+    depth = depth_sentence(depth_findings(depth_lines(rows)))
+    return f"{text} {depth}" if depth else text
+
+
+def exit_code(rows: list[Row], requested: list[str] | None = None) -> int:
+    """0 every tested path passes; 1 a path FAILs or ERRORs; 2 nothing the user asked for was tested
+    (a request that cannot run here: never 0)."""
+    if any(row.verdict in (FAIL, ERROR) for row in rows):
+        return 1
+    return 2 if untested(rows, requested) is not None else 0
+
+
+@dataclass
+class BackendTally:
+    backend: str
+    passed: int
+    failed: int
+    errors: int
+    skipped: int
+    failing_cases: list[str] = field(default_factory=list)
+
+
+def tally(rows: list[Row]) -> list[BackendTally]:
+    """Per backend: how many rows pass, and the failing ones with their knobs (pandas does the grouping)."""
+    import pandas as pd
+
+    if not rows:
+        return []
+    frame = pd.DataFrame([
+        {"backend": r.backend, "verdict": r.verdict,
+         "knobs": f"{r.case.short()} {r.layout}{r.coords.text()}"}
+        for r in rows
+    ])
+    counts = frame.pivot_table(index="backend", columns="verdict", aggfunc="size", fill_value=0)
+    out = []
+    for backend in dict.fromkeys(frame["backend"]):
+        row = counts.loc[backend]
+        failing = frame[(frame.backend == backend) & frame.verdict.isin(["FAIL", "ERROR"])]["knobs"].tolist()
+        out.append(BackendTally(backend, int(row.get("PASS", 0)), int(row.get("FAIL", 0)), int(row.get("ERROR", 0)),
+                                int(row.get("SKIP", 0)), failing))
+    return out

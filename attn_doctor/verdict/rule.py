@@ -107,3 +107,24 @@ def combine(verdicts: list[str]) -> str:
         if v in verdicts:
             return v
     return SKIP
+
+
+def multiple_text() -> str:
+    """The baseline multiple as a caption writes it: "3×" (or per tensor, should they ever differ)."""
+    values = set(MULTIPLE.values())
+    if len(values) == 1:
+        return f"{values.pop():g}×"
+    return ", ".join(f"{value:g}× for {name}" for name, value in MULTIPLE.items())
+
+
+def floor_text() -> str:
+    """The floors as a caption writes them: "0.1 ε in bf16/fp16, 1 ε in fp32"."""
+    by_floor: dict[float, list[str]] = {}
+    for dtype, floor in FLOOR_EPS.items():
+        by_floor.setdefault(floor, []).append(dtype)
+    return ", ".join(f"{floor:g} ε in {'/'.join(dtypes)}" for floor, dtypes in by_floor.items())
+
+
+def rule_sentence() -> str:
+    """The FAIL rule in one sentence, for reports and captions."""
+    return f"A tensor FAILs above {multiple_text()} the baseline (plus a floor of {floor_text()}) or on NaN/Inf."

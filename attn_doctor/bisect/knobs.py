@@ -1,0 +1,154 @@
+"""The knobs bisect turns, as a table: what each one reads from a probe's coordinates, how it moves, and
+which values it may take. The engine (`engine.py`) knows only this table.
+
+Categorical knobs move to their plainest value (the layout to contiguous, the mask to none, GQA to plain
+heads, no window, self-attention, TP 1, one layer, the plainest dtype that still fails); integer knobs are
+binary-searched down to the smallest value that still fails. A value a case cannot take (heads not
+divisible by the TP degree, say) is never probed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from attn_doctor.core.case import DTYPES, Case
+from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
+from attn_doctor.core.errors import BadInput
+
+# The backend of coordinates built without one (the engine's own tests, which probe no kernel).
+ANY_BACKEND = BackendSpec("any", "any")
+
+
+def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int = 0,
+              backend: BackendSpec = ANY_BACKEND) -> Coords:
+    """The probe bisect runs for these knob values: an L-layer stack when layers > 0 (TP shards inside
+    each layer), TP shards when tp > 1 (as views when the layout is head_slice, else as copies), else one
+    call on the layout."""
+    if layers > 0:
+        return Coords.depth(case, backend, layers, tp)
+    if tp > 1:
+        return Coords(case, backend, layout, ProbeKind.TP, tp=tp)
+    return Coords.call(case, backend, layout)
+
+
+def _rebuilt(coords: Coords, **changes: Any) -> Coords:
+    values = {"case": coords.case, "layout": coords.layout if coords.kind is not ProbeKind.DEPTH else "contiguous",
+              "tp": coords.tp, "layers": coords.layers, **changes}
+    return coords_at(values["case"], values["layout"], values["tp"], values["layers"], coords.backend)
+
+
+def _with_case(coords: Coords, **fields: Any) -> Coords:
+    """The coordinates on a case with `fields` changed (BadInput when the case is impossible)."""
+    return _rebuilt(coords, case=Case.from_dict({**coords.case.to_dict(), **fields}))
+
+
+@dataclass(frozen=True)
+class Categorical:
+    name: str
+    value: Callable[[Coords], Any]
+    plainer: Callable[[Coords], list]  # values plainer than the current one, plainest first
+    simplify: Callable[[Coords, Any], Coords]  # the coordinates with the knob at that plainer value
+
+
+@dataclass(frozen=True)
+class Integer:
+    name: str
+    value: Callable[[Coords], int]
+    values: Callable[[Coords], list[int]]  # every value it may take, smallest first
+    set: Callable[[Coords, int], Coords]
+
+
+def _heads_values(coords: Coords) -> list[int]:
+    case = coords.case
+    group = case.heads // case.num_kv_heads
+    unit = group * coords.tp  # heads stay a multiple of the group size and of the TP degree
+    return [n for n in range(unit, case.heads + 1, unit) if (n // group) % coords.tp == 0]
+
+
+def _set_heads(coords: Coords, heads: int) -> Coords:
+    group = coords.case.heads // coords.case.num_kv_heads
+    return _with_case(coords, heads=heads, kv_heads=heads // group)
+
+
+def _set_seq(coords: Coords, seq: int) -> Coords:
+    case = coords.case
+    return _with_case(coords, seq=seq, **({"seq_kv": seq} if case.seq_k == case.seq else {}))
+
+
+def _head_dims(coords: Coords) -> list[int]:
+    current = coords.case.head_dim
+    step = 8 if current % 8 == 0 else 1  # the fused kernels take head dims in multiples of 8
+    return list(range(step, current + 1, step))
+
+
+CATEGORICAL: tuple[Categorical, ...] = (
+    Categorical("layout", lambda c: c.layout,
+                lambda c: ["contiguous"] if c.kind is not ProbeKind.DEPTH and c.layout != "contiguous" else [],
+                lambda c, v: _rebuilt(c, layout=v)),
+    Categorical("mask", lambda c: c.case.mask, lambda c: ["none"] if c.case.mask != "none" else [],
+                lambda c, v: _with_case(c, mask=v)),
+    Categorical("kv_heads", lambda c: c.case.num_kv_heads,
+                lambda c: [c.case.heads] if c.case.num_kv_heads != c.case.heads else [],
+                lambda c, _: _with_case(c, kv_heads=c.case.heads)),  # tied to heads, whatever heads is by then
+    Categorical("window", lambda c: c.case.window, lambda c: [None] if c.case.window is not None else [],
+                lambda c, v: _with_case(c, window=v)),
+    Categorical("seq_kv", lambda c: c.case.seq_k, lambda c: [c.case.seq] if c.case.seq_k != c.case.seq else [],
+                lambda c, _: _with_case(c, seq_kv=c.case.seq)),  # tied to seq
+    Categorical("tp", lambda c: c.tp, lambda c: [1] if c.tp != 1 else [], lambda c, v: _rebuilt(c, tp=v)),
+    Categorical("layers", lambda c: c.layers, lambda c: [1] if c.layers > 1 else [],
+                lambda c, v: _rebuilt(c, layers=v)),
+    Categorical("dtype", lambda c: c.case.dtype,  # plainest first
+                lambda c: [d for d in ("fp32", "fp16", "bf16") if d != c.case.dtype and d in DTYPES],
+                lambda c, v: _with_case(c, dtype=v)),
+)
+
+INTEGER: tuple[Integer, ...] = (
+    Integer("layers", lambda c: c.layers, lambda c: list(range(1, c.layers + 1)) if c.layers > 1 else [],
+            lambda c, v: _rebuilt(c, layers=v)),
+    Integer("batch", lambda c: c.case.batch, lambda c: list(range(1, c.case.batch + 1)),
+            lambda c, v: _with_case(c, batch=v)),
+    Integer("seq", lambda c: c.case.seq, lambda c: list(range(1, c.case.seq + 1)), _set_seq),
+    Integer("seq_kv", lambda c: c.case.seq_k,  # self-attention: seq_kv follows seq
+            lambda c: list(range(1, c.case.seq_k + 1)) if c.case.seq_k != c.case.seq else [],
+            lambda c, v: _with_case(c, seq_kv=v)),
+    Integer("heads", lambda c: c.case.heads, _heads_values, _set_heads),
+    Integer("head_dim", lambda c: c.case.head_dim, _head_dims, lambda c, v: _with_case(c, head_dim=v)),
+)
+
+CATEGORICAL_BY_NAME = {knob.name: knob for knob in CATEGORICAL}
+
+
+def valid(coords: Coords) -> bool:
+    """Whether the coordinates can hold their case (impossible ones are never probed)."""
+    return coords.unsupported() is None
+
+
+def moves(coords: Coords) -> list[tuple[str, str, Coords]]:
+    """(knob, plainer value, coordinates with only that knob simplified) for every categorical knob."""
+    found = []
+    for knob in CATEGORICAL:
+        for value in knob.plainer(coords):
+            try:
+                found.append((knob.name, "none" if value is None else str(value), knob.simplify(coords, value)))
+            except BadInput:
+                pass
+    return found
+
+
+def carry(coords: Coords, knob: str, candidate: Coords) -> Coords | None:
+    """`coords` with `knob` moved as it is in `candidate` (None when that is impossible there)."""
+    spec = CATEGORICAL_BY_NAME[knob]
+    try:
+        return spec.simplify(coords, spec.value(candidate))
+    except BadInput:
+        return None
+
+
+def value(coords: Coords, knob: str) -> Any:
+    spec = CATEGORICAL_BY_NAME.get(knob) or next(k for k in INTEGER if k.name == knob)
+    return spec.value(coords)
+
+
+__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "moves", "valid",
+           "value"]

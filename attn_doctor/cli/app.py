@@ -1,0 +1,143 @@
+"""The one application object every command receives (through click's context), and the group that keeps
+the command line's contract for every input:
+
+- 0 every tested path passes, 1 a path FAILs or ERRORs, 2 bad input or a request that cannot run here
+  (one line on stderr: what is wrong and how to fix it, never a traceback), 130 on Ctrl-C;
+- Ctrl-C kills every process attn-doctor started and answers at once; what finished is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from attn_doctor.core.errors import BadInput
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from attn_doctor.execution.progress import ProgressSink
+    from attn_doctor.results.report import RunReport
+
+EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+REPORTS_DIR = Path("reports")
+
+
+class Interrupted(Exception):
+    """Ctrl-C, after the command kept what had finished; `message` says what and where."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class Application:
+    argv: list[str]
+    started: float = field(default_factory=time.perf_counter)
+    width: int | None = None  # None: the terminal's (80 in a pipe); --wide forces a wide results table
+
+    def command_line(self) -> str:
+        """The command as the user typed it, for the report's reproduce line."""
+        return " ".join(["attn-doctor", *(shlex.quote(str(a)) for a in self.argv)])
+
+    @cached_property
+    def console(self) -> Console:
+        from rich.console import Console
+
+        return Console(highlight=False, markup=False, soft_wrap=False, width=self.width)
+
+    @cached_property
+    def err_console(self) -> Console:
+        from rich.console import Console
+
+        return Console(stderr=True, highlight=False, markup=False)
+
+    def progress(self) -> ProgressSink:
+        """Counts and an ETA on stderr while a terminal watches; nothing in a pipe, a log or a test."""
+        from attn_doctor.execution.progress import ProgressSink
+
+        if not self.err_console.is_terminal:
+            return ProgressSink()
+        from attn_doctor.render.progress import TerminalProgress
+
+        return TerminalProgress(self.err_console)
+
+    def new_run_dir(self, kind: str) -> Path:
+        import datetime
+
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = REPORTS_DIR / f"{kind}-{stamp}"
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = REPORTS_DIR / f"{kind}-{stamp}-{suffix}"
+        return path
+
+    def kept_elsewhere(self, why: str, saved: Path) -> int:
+        """The output could not go where it was asked (exit 2); what was made is kept at `saved`."""
+        click.echo(f"attn-doctor: error: {why}; the results were kept in {saved} instead", err=True)
+        return EXIT_BAD_INPUT
+
+    def exit_code(self, report: RunReport) -> int:
+        """The report's exit code; when nothing asked for was tested (2), the one line on stderr saying why."""
+        code = report.exit_code
+        if code == EXIT_BAD_INPUT:
+            click.echo(f"attn-doctor: error: {report.untested}", err=True)
+        return code
+
+
+class DoctorGroup(click.Group):
+    """A group whose every bad input ends as one line on stderr and exit code 2, never a traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
+        app = Application(list(sys.argv[1:] if args is None else args))
+        try:
+            code = super().main(args, prog_name or "attn-doctor", complete_var, standalone_mode=False, obj=app,
+                                **extra)
+        except click.UsageError as exc:
+            hint = f" (see `attn-doctor {exc.ctx.info_name} --help`)" if exc.ctx and exc.ctx.parent else ""
+            click.echo(f"attn-doctor: error: {exc.format_message()}{hint}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except BadInput as exc:
+            click.echo(f"attn-doctor: error: {exc}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except (click.Abort, KeyboardInterrupt, Interrupted) as exc:
+            _interrupted(exc)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except BrokenPipeError:  # the reader went away (| head): nothing more to say
+            _quiet_stdout()
+            sys.exit(EXIT_OK)
+        sys.exit(code if isinstance(code, int) else EXIT_OK)
+
+
+def _interrupted(exc: BaseException) -> None:
+    from attn_doctor.execution import processes
+
+    processes.kill_all()  # nothing attn-doctor started may outlive it
+    cause = exc.__context__ if isinstance(exc, click.Abort) else exc
+    message = cause.message if isinstance(cause, Interrupted) and cause.message else ""
+    click.echo(f"attn-doctor: interrupted{'; ' + message if message else ''}", err=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def _quiet_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def pass_app(fn: Any) -> Any:
+    return click.pass_obj(fn)

@@ -1,0 +1,95 @@
+"""`attn-doctor bisect`: from a failing case to the smallest one that still fails, its necessary conditions
+and a standalone repro."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
+from attn_doctor.cli.options import backend_options, build_case, case_options
+from attn_doctor.core.errors import BadInput
+
+
+@click.command()
+@case_options
+@backend_options
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Start from TP shards of this degree.")
+@click.option("--layers", type=click.IntRange(min=0), default=0, help="Start from an L-layer stack (0: one attention call).")
+@click.option("--from", "from_results", type=click.Path(path_type=Path),
+              help="Start from a failing row of a results file or sweep directory instead of the flags.")
+@click.option("--row", "row_index", type=int, default=0, show_default=True,
+              help="With --from: which failing row (0 = the first).")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Run each probe N times; any failing run counts (guards against nondeterministic kernels).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write {start_case, minimal_case, necessary, probes, repro} here.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the repro script goes (default: beside --from, else reports/bisect-<stamp>).")
+@click.pass_obj
+def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, layers, from_results, row_index,
+           repeats, json_path, out_dir, **case_flags) -> int:
+    """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
+    standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
+    from attn_doctor.backends import select
+    from attn_doctor.bisect import knobs
+    from attn_doctor.bisect.driver import BisectRequest, bisect as bisect_workflow, start_from_results
+    from attn_doctor.bisect.engine import CannotBisect, NothingToBisect
+    from attn_doctor.machine.devices import check_device_name, resolve_device
+    from attn_doctor.render.terminal import bisect_tables
+    from attn_doctor.results.files import check_writable, write_or_keep
+    from attn_doctor.results.report import dumps
+
+    if repeats < 1:
+        raise BadInput("--repeats takes a whole number >= 1")
+    check_device_name(device)
+    if from_results is not None:
+        start, directory = start_from_results(from_results, row_index)
+    else:
+        specs = select(backends, kernels)
+        if len(specs) != 1:
+            raise BadInput("bisect follows one kernel path: give exactly one --backend or --kernel "
+                           f"(got {len(specs)}), or --from RESULTS")
+        if len(layouts) > 1:
+            raise BadInput("bisect starts from one layout: give --layout at most once")
+        start = knobs.coords_at(build_case(case_flags), layouts[0] if layouts else "contiguous", tp, layers, specs[0])
+        directory = None
+    directory = out_dir or directory or app.new_run_dir("bisect")
+    check_writable(directory, "--out", directory=True)
+    if json_path is not None:
+        check_writable(json_path, "--json")
+    request = BisectRequest(start, device, directory, repeats, timeout, app.command_line())
+    request.check()
+    request.device = resolve_device(device)
+    console = app.console
+    try:
+        report = bisect_workflow(request, app.progress())
+    except NothingToBisect as exc:
+        console.print(f"nothing to bisect: {exc}", style="bold yellow")
+        return EXIT_FAULT
+    except CannotBisect as exc:
+        console.print(f"cannot bisect: {exc}", style="bold magenta")
+        return EXIT_FAULT
+    except KeyboardInterrupt:
+        raise Interrupted("the bisect was stopped before it finished; nothing was written") from None
+    for renderable in bisect_tables(report.result, start.backend.name, report.diagnosis):
+        console.print(renderable)
+    console.print(f"repro:   {report.repro}  (python3 {report.repro.name}: exit 1 while wrong, 0 when fixed)")
+    minimal = report.result.minimal
+    if minimal.layers:
+        console.print("note: the failure needs depth; the repro checks the single call of the minimal case, "
+                      f"reproduce the stack with: {minimal.repro_command(_selector(start))}")
+    if json_path:
+        saved, why = write_or_keep(json_path, dumps(report.to_dict()))
+        console.print(f"json:    {saved}")
+        if why:
+            return app.kept_elsewhere(why, saved)
+    return EXIT_OK
+
+
+def _selector(coords) -> str:
+    from attn_doctor.backends import selector
+
+    return selector(coords.backend)

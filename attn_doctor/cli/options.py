@@ -1,0 +1,159 @@
+"""The options the commands share, and turning their text into plain values (cases, grids, specs).
+
+Only click and torch-free modules are imported here: `--help`, `--version` and argument errors answer
+without loading torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from attn_doctor.core.case import DTYPES, MASKS, Case, make_case
+from attn_doctor.core.errors import BadInput
+from attn_doctor.core.layouts import LAYOUTS
+
+POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
+
+
+def _stack(fn: Callable, options: list[Callable]) -> Callable:
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def int_list(text: str | None, name: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BadInput(f"--{name} takes whole numbers separated by commas, got {text!r}") from None
+    if not values:
+        raise BadInput(f"--{name} needs at least one whole number, got {text!r}")
+    return values
+
+
+def window(text: str | None) -> tuple[int, int] | None:
+    if text is None or text.lower() == "none":
+        return None
+    values = int_list(text, "window")
+    if values is None or len(values) != 2:
+        raise BadInput(f"--window takes LEFT,RIGHT (e.g. 256,0; -1 = unbounded), got {text!r}")
+    return values[0], values[1]
+
+
+def choices(text: str, allowed: tuple[str, ...], name: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise BadInput(f"--{name} takes a comma list of {', '.join(allowed)}, got {text!r}")
+    return values
+
+
+def case_options(fn: Callable) -> Callable:
+    """The case flags of run and bisect."""
+    return _stack(fn, [
+        click.option("--recipe", help="A TOML case from recipes/ (name or path); flags override it."),
+        click.option("--batch", type=int, help="Batch size [4]."),
+        click.option("--seq", type=int, help="Query sequence length [1024]."),
+        click.option("--seq-kv", type=int, help="Key/value sequence length (cross-attention) [= --seq]."),
+        click.option("--heads", type=int, help="Query heads [16]."),
+        click.option("--kv-heads", type=int, help="Key/value heads (GQA when fewer) [= --heads]."),
+        click.option("--head-dim", type=int, help="Head dimension [64]."),
+        click.option("--dtype", type=click.Choice(DTYPES), help="Input dtype [bf16]."),
+        click.option("--mask", type=click.Choice(MASKS), help="Attention mask [causal]."),
+        click.option("--window", help="Sliding window LEFT,RIGHT (-1 = unbounded) [none]."),
+        click.option("--seed", type=int, help="Seed of q, k, v and the output gradient [1234]."),
+    ])
+
+
+def grid_options(fn: Callable) -> Callable:
+    """The case flags of `sweep`: each takes a comma list; the sweep runs their cross product."""
+    return _stack(fn, [
+        click.option("--recipe", help="A TOML case from recipes/; its [grid] table may declare lists too."),
+        click.option("--batch", help="Batch sizes, e.g. 1,4."),
+        click.option("--seq", help="Query lengths, e.g. 512,1024,4096."),
+        click.option("--seq-kv", help="Key/value lengths (cross-attention)."),
+        click.option("--heads", help="Query heads."),
+        click.option("--kv-heads", help="Key/value heads, e.g. 16,4,1."),
+        click.option("--head-dim", help="Head dimensions, e.g. 64,128."),
+        click.option("--dtype", help=f"Dtypes among {', '.join(DTYPES)}."),
+        click.option("--mask", help=f"Masks among {', '.join(MASKS)}."),
+        click.option("--window", "windows", multiple=True, help="A sliding window LEFT,RIGHT (repeat for a grid)."),
+        click.option("--seed", help="Seeds."),
+        click.option("--layers", help="Depths of the GPT stack, e.g. 24,128 (checks dQ through L layers)."),
+        click.option("--tp", help="Tensor-parallel degrees, e.g. 1,2,4 (heads split into shards)."),
+    ])
+
+
+def backend_options(fn: Callable) -> Callable:
+    return _stack(fn, [
+        click.option("--backend", "backends", multiple=True, metavar="NAME",
+                     help="A backend to check (repeatable; 'te' and 'sdpa' name a whole family). "
+                          "Default: all built-in backends, or only the --kernel ones when given."),
+        click.option("--kernel", "kernels", multiple=True, metavar="[NAME=]TARGET:FUNC",
+                     help="Your own kernel fn(q, k, v, *, causal, softmax_scale) on bshd tensors; "
+                          "TARGET is a module or a .py path (repeatable)."),
+        click.option("--layout", "layouts", multiple=True, type=click.Choice(LAYOUTS),
+                     help="A memory layout to feed (repeatable) [all]."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+        click.option("--timeout", type=POSITIVE_SECONDS, default=300.0, show_default=True,
+                     help="Seconds one probe may take before its worker is killed (ERROR row)."),
+    ])
+
+
+def output_option(name: str, dest: str, what: str, directory: bool = False) -> Callable:
+    kind = click.Path(file_okay=not directory, dir_okay=directory, path_type=Path)
+    return click.option(name, dest, type=kind, help=what)
+
+
+def build_case(options: dict[str, Any]) -> Case:
+    """The case from --recipe overridden by explicit flags; validated."""
+    from attn_doctor.core.recipes import load_recipe
+
+    fields: dict[str, Any] = {}
+    if options.get("recipe"):
+        fields.update(load_recipe(options["recipe"]).case)
+    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed"):
+        if options.get(name) is not None:
+            fields[name] = options[name]
+    if options.get("window") is not None:
+        fields["window"] = window(options["window"])
+    return make_case(**fields)
+
+
+def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]], list[int] | None,
+                                                   list[int] | None]:
+    """Base fields, gridded fields, depths and TP degrees from --recipe and the comma-list flags."""
+    from attn_doctor.core.recipes import load_recipe
+
+    base: dict[str, Any] = {}
+    grid: dict[str, list[Any]] = {}
+    depths = degrees = None
+    if options.get("recipe"):
+        recipe = load_recipe(options["recipe"])
+        base.update(recipe.case)
+        recipe_grid = dict(recipe.grid)
+        depths = recipe_grid.pop("layers", None)
+        degrees = recipe_grid.pop("tp", None)
+        grid.update(recipe_grid)
+    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "seed"):
+        if options.get(name) is not None:
+            grid[name] = int_list(options[name], name.replace("_", "-"))
+    for name, allowed in (("dtype", DTYPES), ("mask", MASKS)):
+        if options.get(name) is not None:
+            grid[name] = choices(options[name], allowed, name)
+    if options.get("windows"):
+        grid["window"] = [window(w) for w in options["windows"]]
+    if options.get("layers") is not None:
+        depths = int_list(options["layers"], "layers")
+    if options.get("tp") is not None:
+        degrees = int_list(options["tp"], "tp")
+    for name, values in (("layers", depths), ("tp", degrees)):
+        if values is not None and (not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                                     for v in values)):
+            raise BadInput(f"--{name} (or the recipe's grid.{name}) takes whole numbers >= 1, got {values}")
+    return base, grid, depths, degrees

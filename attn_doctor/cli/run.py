@@ -1,0 +1,81 @@
+"""`attn-doctor run`: one case, every requested backend x layout, judged against float64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from attn_doctor.cli.app import Application, Interrupted
+from attn_doctor.cli.options import backend_options, build_case, case_options
+from attn_doctor.core.coords import CP_COMM_TYPES
+from attn_doctor.core.layouts import LAYOUTS
+
+
+@click.command()
+@case_options
+@backend_options
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the results document here (default: reports/<run-id>/results.json).")
+@click.option("--profile", is_flag=True, help="Print where the time went (startup, reference, kernels, ...).")
+@click.option("--wide", is_flag=True, help="One wide table with what ran in a column (needs ~150 columns).")
+@click.option("--nproc", type=click.IntRange(min=1),
+              help="Run on N ranks launched with torchrun (N = --tp x --cp), gathering to rank 0.")
+@click.option("--tp", "tp_degree", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel degree: heads split into shards (in one process; on ranks with --nproc).")
+@click.option("--cp", "cp_degree", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --nproc: context-parallel ranks.")
+@click.option("--cp-comm-type", type=click.Choice(CP_COMM_TYPES), default="p2p", show_default=True,
+              help="With --cp: how the sequence chunks are exchanged.")
+@click.pass_obj
+def run(app: Application, json_path: Path | None, profile: bool, wide: bool, nproc: int | None, tp_degree: int,
+        cp_degree: int, cp_comm_type: str, backends, kernels, layouts, device, timeout, **case_flags) -> int:
+    """Check every backend x layout on one case against float64 and name the faulty kernel path."""
+    from attn_doctor.backends import select
+    from attn_doctor.machine.devices import check_device_name, resolve_device
+    from attn_doctor.results.files import check_writable
+    from attn_doctor.workflows.run import RunInterrupted, RunRequest, run as run_workflow
+
+    case = build_case(case_flags)
+    specs = select(backends, kernels)
+    check_device_name(device)
+    out_path = json_path or app.new_run_dir("run") / "results.json"
+    check_writable(out_path, "--json")
+    request = RunRequest(case, specs, list(layouts or LAYOUTS), device, app.command_line(), timeout, tp=tp_degree,
+                         cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc, layouts_given=bool(layouts))
+    request.check()
+    request.device = resolve_device(device)
+    title = f"{case.short()} on {request.device}"
+    try:
+        report = run_workflow(request, app.progress())
+    except RunInterrupted as interrupted:
+        saved, _ = _show_and_save(app, interrupted.report, out_path, wide, title)
+        raise Interrupted(f"{len(interrupted.report.rows)} finished probes kept in {saved}") from None
+    saved, why = _show_and_save(app, report, out_path, wide, title)
+    if profile:
+        import time
+
+        report.seconds["command (wall, since start of the CLI)"] = time.perf_counter() - app.started
+        for name, seconds in report.seconds.items():
+            app.console.print(f"  {name:<42} {seconds:8.2f} s")
+    if why:
+        return app.kept_elsewhere(why, saved)
+    return app.exit_code(report)
+
+
+def _show_and_save(app: Application, report, out_path: Path, wide: bool, title: str) -> tuple[Path, str | None]:
+    from attn_doctor.cli.known import print_defects
+    from attn_doctor.render.env_view import env_rich_table
+    from attn_doctor.render.terminal import run_view
+    from attn_doctor.results.files import write_or_keep
+    from attn_doctor.results.report import dumps
+
+    console = app.console
+    if report.env is not None:
+        console.print(env_rich_table(report.env))
+    for renderable in run_view(report, title=title, wide=wide):
+        console.print(renderable)
+    print_defects(console, report, "Known TE/cuDNN defects that match this machine and case:")
+    saved, why = write_or_keep(out_path, dumps(report.to_dict()))
+    console.print(f"results: {saved}\nreport:  attn-doctor report {saved} --format markdown")
+    return saved, why

@@ -1,0 +1,65 @@
+"""`attn-doctor sweep`: a grid of cases on layouts, TP shards or depth stacks; streamed and resumable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from attn_doctor.cli.app import Application, Interrupted
+from attn_doctor.cli.options import backend_options, build_grid, grid_options
+from attn_doctor.core.errors import BadInput
+from attn_doctor.core.layouts import LAYOUTS
+
+
+@click.command()
+@grid_options
+@backend_options
+@click.option("--resume", type=click.Path(file_okay=False, path_type=Path),
+              help="Continue the sweep in this directory, skipping the points already in its results.jsonl.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for results.jsonl, results.json and the plot (default: reports/sweep-<stamp>).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
+                   "1 on the CPU; depth sweeps always 1]")
+@click.pass_obj
+def sweep(app: Application, backends, kernels, layouts, device, timeout, resume, out_dir, workers,
+          **grid_flags) -> int:
+    """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
+    from attn_doctor.backends import select
+    from attn_doctor.core.case import expand_grid
+    from attn_doctor.machine.devices import check_device_name, resolve_device
+    from attn_doctor.render.terminal import sweep_view
+    from attn_doctor.results.files import check_writable
+    from attn_doctor.workflows import sweep as sweeping
+
+    base, grid, depths, degrees = build_grid(grid_flags)
+    cases = expand_grid(base, grid)
+    specs = select(backends, kernels)
+    check_device_name(device)
+    if resume is not None and out_dir is not None and resume != out_dir:
+        raise BadInput("give either --resume DIR or --out DIR, not both")
+    directory = resume or out_dir or app.new_run_dir("sweep")
+    check_writable(directory, "--resume" if resume else "--out", directory=True)
+    request = sweeping.SweepRequest(cases, specs, list(layouts or LAYOUTS), device, directory, resume=resume is not None,
+                                    depths=depths, degrees=degrees, workers=workers, timeout_s=timeout,
+                                    command=app.command_line())
+    request.device = resolve_device(device)
+    plan = sweeping.prepare(request)
+    if len(plan.todo) < len(plan.points):
+        app.console.print(f"resuming {directory}: {len(plan.points) - len(plan.todo)} of {len(plan.points)} points "
+                          "already done")
+    try:
+        report = sweeping.run(plan, app.progress())
+    except KeyboardInterrupt:
+        raise Interrupted(f"the finished points are in {plan.log.path}; continue with --resume {directory}") from None
+    for renderable in sweep_view(report):
+        app.console.print(renderable)
+    saved, why = sweeping.save(report, directory)
+    app.console.print(f"results: {saved} (streamed: {plan.log.path})")
+    if report.artifacts.get("plot"):
+        app.console.print(f"plot:    {directory / report.artifacts['plot']}")
+    app.console.print(f"report:  attn-doctor report {directory} --format markdown")
+    if why:
+        return app.kept_elsewhere(why, saved)
+    return app.exit_code(report)

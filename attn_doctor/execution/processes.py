@@ -1,0 +1,151 @@
+"""Child processes: the one set of helpers that starts them, times them out, kills their process group and
+collects their output. Every process attn-doctor starts (backend workers, the TE probe, torchrun and its
+ranks) goes through here, in a session of its own (so a kill reaches whatever the kernel started), and is
+remembered while it lives, so that Ctrl-C can take them all down at once (`kill_all`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Sequence
+
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+
+_live: set[subprocess.Popen] = set()
+_lock = threading.Lock()
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment, with this copy of attn_doctor importable and output unbuffered."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def describe_exit(returncode: int) -> str:
+    """'exit code 9', 'signal SIGABRT', or for a shell-style code above 128 'exit code 134 (signal SIGABRT?)'."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    if returncode > 128:
+        try:
+            return f"exit code {returncode} (signal {signal.Signals(returncode - 128).name}?)"
+        except ValueError:
+            pass
+    return f"exit code {returncode}"
+
+
+def start(command: Sequence[str], *, stdin: Any = subprocess.DEVNULL, stdout: Any = subprocess.PIPE,
+          stderr: Any = subprocess.PIPE, env: dict[str, str] | None = None, text: bool = False) -> subprocess.Popen:
+    """Start `command` in a new session, remembered until it is reaped by `wait`, `kill_group` or `stop`."""
+    kwargs: dict[str, Any] = {"errors": "replace"} if text else {}
+    proc = subprocess.Popen(list(command), stdin=stdin, stdout=stdout, stderr=stderr, env=env or child_env(),
+                            start_new_session=True, text=text, **kwargs)
+    with _lock:
+        _live.add(proc)
+    return proc
+
+
+def _forget(proc: subprocess.Popen) -> None:
+    with _lock:
+        _live.discard(proc)
+
+
+def signal_group(pid: int, sig: int, only_if_leader: bool = False) -> None:
+    """Send `sig` to the process group led by `pid` (with `only_if_leader`: only if `pid` still leads a
+    group of its own, so that a reused pid is left alone)."""
+    try:
+        if only_if_leader and os.getpgid(pid) != pid:
+            return
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_group(proc: subprocess.Popen) -> int | None:
+    """SIGKILL the process's whole group and reap it; its exit code (None if it would not die)."""
+    if proc.poll() is None:
+        signal_group(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+    try:
+        code = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
+    _forget(proc)
+    return code
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process's group, give it `grace_s` to finish, then SIGKILL the group."""
+    if proc.poll() is None:
+        signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_group(proc)
+
+
+def wait(proc: subprocess.Popen, timeout_s: float | None = None) -> int:
+    """Wait for the process (TimeoutExpired past `timeout_s`) and forget it."""
+    code = proc.wait(timeout=timeout_s)
+    _forget(proc)
+    return code
+
+
+@dataclass
+class Finished:
+    returncode: int | None  # None: killed at the time-out
+    stdout: str
+    stderr: str
+
+
+def run_collect(command: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> Finished:
+    """Run a command to completion with text output; killed with its group past `timeout_s`."""
+    proc = start(command, env=env, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        return Finished(None, out or "", err or "")
+    except BaseException:
+        kill_group(proc)
+        raise
+    _forget(proc)
+    return Finished(proc.returncode, out, err)
+
+
+def kill_all() -> None:
+    """SIGKILL every live child's group (Ctrl-C: nothing attn-doctor started may outlive it)."""
+    with _lock:
+        procs = list(_live)
+    for proc in procs:
+        if proc.poll() is None:
+            signal_group(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        _forget(proc)
+
+
+def read_tail(stream: IO[bytes], lines: int) -> str:
+    """The last `lines` lines of a file opened for reading and writing (a child's captured stderr)."""
+    stream.flush()
+    stream.seek(0)
+    text = stream.read().decode(errors="replace").strip().splitlines()
+    return "\n".join(text[-lines:])

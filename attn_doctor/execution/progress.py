@@ -1,0 +1,22 @@
+"""What a long command reports while it works: a small sink that execution and the workflows call and a
+renderer implements (`attn_doctor.render.progress` draws it on a terminal; this base class draws nothing,
+which is what tests, pipes and CI logs get)."""
+
+from __future__ import annotations
+
+
+class ProgressSink:
+    def begin(self, total: int, what: str) -> None:
+        """A new stage of `total` steps (probes, points, bisect probes) starts."""
+
+    def advance(self, steps: int = 1, what: str | None = None) -> None:
+        """`steps` more are done; `what` describes the last one."""
+
+    def add(self, steps: int) -> None:
+        """The stage turned out to have `steps` more than announced (a bisect finds its length as it goes)."""
+
+    def note(self, text: str) -> None:
+        """Progress inside a step (a depth stack's layers, the float64 replica)."""
+
+    def end(self) -> None:
+        """The stage is over."""

@@ -1,0 +1,113 @@
+"""What a worker keeps between jobs: the most recent case's inputs and float64 reference, and the most
+recent depth stack's reference and baseline (jobs arrive grouped by case). A reference is normally the
+parent's, mapped from the handle the job carried (see `attn_doctor.execution.shared_reference`), else
+computed here."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from attn_doctor.core.case import Case
+from attn_doctor.numerics.inputs import TORCH_DTYPES, Inputs, make_inputs, release_cached_memory, synchronize
+from attn_doctor.numerics.reference import Reference, attention_reference
+
+# Called with a short description as a long probe advances (a depth stack's layers).
+Progress = Callable[[str], None]
+
+
+class CaseCache:
+    """Inputs and reference of the most recent case. `reference_seconds` is what getting the reference cost
+    this process; `reference_source` says how ("shared" or "computed")."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._key: tuple | None = None
+        self._inputs: Inputs | None = None
+        self._reference: Reference | None = None
+        self.reference_seconds = 0.0
+        self.reference_source = ""
+        self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's reference, mapped, if the job had one
+
+    def get(self, case: Case) -> tuple[Inputs, Reference]:
+        if case.key() != self._key:
+            self._inputs = self._reference = None  # free the previous case before building the next
+            inputs = make_inputs(case, self.device)
+            start = time.perf_counter()
+            self.reference_source = "shared" if self.shared is not None else "computed"
+            if self.shared is not None:
+                reference = Reference(*self.shared)
+            else:
+                reference = attention_reference(
+                    inputs.q, inputs.k, inputs.v, inputs.dout,
+                    causal=case.causal, softmax_scale=case.softmax_scale, window=case.window,
+                )
+            synchronize(self.device)
+            self.reference_seconds = time.perf_counter() - start
+            self._key, self._inputs, self._reference = case.key(), inputs, reference
+        return self._inputs, self._reference
+
+    def clear(self) -> None:
+        """Drop the case; a shared reference is released, so the parent can free it."""
+        self._key = self._inputs = self._reference = None
+
+
+class DepthCache:
+    """Per (case, layers): the float64 replica's dQ at every layer (the parent's shared copy when the job
+    carries a handle, else computed here) and the local baseline's stack, computed here."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._key: tuple | None = None
+        self.reference: list[torch.Tensor] = []
+        self.baseline: list[torch.Tensor] = []
+        self.reference_seconds = 0.0
+        self.reference_source = ""
+        self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's per-layer dQ, mapped, if any
+
+    def get(self, case: Case, layers: int, progress: Progress | None = None
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        from attn_doctor.backends import BASELINE, build
+        from attn_doctor.probes.stack import (BackendAttention, float64_replica_dqs, layer_progress, make_stack,
+                                              run_stack)
+
+        key = (case.key(), layers)
+        if key != self._key:
+            self.reference = self.baseline = []
+            start = time.perf_counter()
+            self.reference_source = "shared" if self.shared is not None else "computed"
+            model_dtype = TORCH_DTYPES[case.dtype]
+            if self.shared is not None:
+                self.reference = list(self.shared)
+            else:
+                self.reference = float64_replica_dqs(case, layers, self.device, model_dtype, progress)
+            synchronize(self.device)
+            self.reference_seconds = time.perf_counter() - start
+            local = BackendAttention(build(BASELINE), case)
+            self.baseline = run_stack(make_stack(case, layers, self.device, model_dtype), case, local,
+                                      on_layer=layer_progress("baseline", layers, progress))
+            self._key = key
+            release_cached_memory(self.device)
+        return self.reference, self.baseline
+
+    def clear(self) -> None:
+        self._key = None
+        self.reference = self.baseline = []
+
+
+class Caches:
+    """Every cache of one worker process, and the shared reference the current job carried."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.case = CaseCache(device)
+        self.depth = DepthCache(device)
+
+    def share(self, tensors: tuple[torch.Tensor, ...] | None) -> None:
+        self.case.shared = self.depth.shared = tensors
+
+    def clear(self) -> None:
+        self.case.clear()
+        self.depth.clear()

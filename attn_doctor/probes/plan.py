@@ -1,0 +1,88 @@
+"""Planning: which coordinates a request expands to, and which of them cannot run here (known before any
+worker starts).
+
+A point is one case probed in one way: every layout of a CALL probe, every TP degree of a TP probe, every
+depth (and TP degree) of a DEPTH probe. Its coordinates are judged together (each against the baseline the
+point carries), and a sweep streams and resumes point by point. The local baseline always comes first in a
+point: every verdict is relative to it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from attn_doctor.backends import BASELINE, BackendSpec, static_skip as backend_static_skip
+from attn_doctor.core.case import Case
+from attn_doctor.core.coords import Coords, ProbeKind
+
+
+def plan_calls(case: Case, specs: list[BackendSpec], layouts: list[str]) -> list[Coords]:
+    coords = [Coords.call(case, BASELINE)]
+    for spec in specs:
+        for layout in layouts:
+            if not (spec == BASELINE and layout == "contiguous"):
+                coords.append(Coords.call(case, spec, layout))
+    return coords
+
+
+def plan_tp(case: Case, specs: list[BackendSpec], degrees: list[int]) -> list[Coords]:
+    """Per backend and TP degree t: the t shards as views of the full tensors and as contiguous copies."""
+    coords = [Coords.call(case, BASELINE)]
+    for spec in specs:
+        for tp in degrees:
+            coords.append(Coords.tp_shards(case, spec, tp, as_views=True))
+            if tp > 1:
+                coords.append(Coords.tp_shards(case, spec, tp, as_views=False))
+    return coords
+
+
+def plan_depth(case: Case, specs: list[BackendSpec], depths: list[int], degrees: list[int]) -> list[Coords]:
+    coords = []
+    for layers in depths:
+        coords.append(Coords.depth(case, BASELINE, layers))
+        for spec in specs:
+            for tp in degrees:
+                if not (spec == BASELINE and tp == 1):
+                    coords.append(Coords.depth(case, spec, layers, tp))
+    return coords
+
+
+@dataclass(frozen=True)
+class Point:
+    """One case with one kind of probe: the unit a sweep judges, streams and resumes."""
+
+    case: Case
+    kind: ProbeKind
+    layouts: tuple[str, ...] = ()
+    depths: tuple[int, ...] = ()
+    degrees: tuple[int, ...] = (1,)
+
+    @property
+    def id(self) -> str:
+        spec = {"case": self.case.to_dict(), "kind": self.kind.value, "layouts": list(self.layouts),
+                "depths": list(self.depths), "tp": list(self.degrees)}
+        return json.dumps(spec, sort_keys=True)
+
+    def coords(self, specs: list[BackendSpec]) -> list[Coords]:
+        if self.kind is ProbeKind.DEPTH:
+            return plan_depth(self.case, specs, list(self.depths), list(self.degrees))
+        if self.kind is ProbeKind.TP:
+            return plan_tp(self.case, specs, list(self.degrees))
+        return plan_calls(self.case, specs, list(self.layouts))
+
+
+def plan_points(cases: list[Case], layouts: list[str], depths: list[int] | None = None,
+                degrees: list[int] | None = None) -> list[Point]:
+    """Depth stacks when depths are given (with TP inside), else TP shards when degrees are, else layouts."""
+    if depths:
+        return [Point(c, ProbeKind.DEPTH, depths=tuple(depths), degrees=tuple(degrees or [1])) for c in cases]
+    if degrees:
+        return [Point(c, ProbeKind.TP, degrees=tuple(degrees)) for c in cases]
+    return [Point(c, ProbeKind.CALL, layouts=tuple(layouts)) for c in cases]
+
+
+def static_skip(coords: Coords, device: str) -> str | None:
+    """Why a probe cannot run here, known before starting anything: the coordinates cannot hold the case,
+    or the backend cannot run it on this device."""
+    return coords.unsupported() or backend_static_skip(coords.backend, coords.case, device)

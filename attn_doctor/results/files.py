@@ -1,0 +1,88 @@
+"""Writing results: atomically (temp file in the same folder, then a rename, so an interrupted write never
+leaves half a document), with the permissions the user's umask gives (like every other tool), checked for
+writability before any work starts, and kept somewhere else when the place asked for fails at the end."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from pathlib import Path
+
+from attn_doctor.core.errors import BadInput
+
+
+def current_umask() -> int:
+    """This process's umask (read from /proc where it can be, so no other thread sees it change)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temp file in the same folder and a rename."""
+    write_atomic_bytes(path, text.encode())
+
+
+def write_atomic_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; a results file is as shareable as any
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_writable(path: Path, option: str, directory: bool = False) -> None:
+    """Refuse (BadInput) a path the results could not be written to, before any work starts. Nothing is
+    created: the nearest existing folder must be a writable folder (a file is tried in it when it is the
+    path's own folder)."""
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise BadInput(f"{option} {path} is a file; give a folder")
+    if not directory and path.is_dir():
+        raise BadInput(f"{option} {path} is a folder; give a file path")
+    folder = path if directory else path.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BadInput(f"cannot write {option} {path}: {existing} is not a folder; choose another path")
+    why = None
+    if existing.resolve() == folder.resolve():
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = "permission denied"
+    if why:
+        raise BadInput(f"cannot write {option} {path}: {existing} is not writable ({why}); choose another path")
+
+
+def write_or_keep(path: Path, text: str) -> tuple[Path, str | None]:
+    """Write `text` to `path`; when that fails, to a new file in the temp folder instead. Returns where it
+    went and, on a fallback, why `path` failed: results are never lost to a write error."""
+    try:
+        write_atomic(path, text)
+        return Path(path), None
+    except OSError as exc:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        fd, kept = tempfile.mkstemp(prefix=f"attn-doctor-{stamp}-", suffix=f"-{Path(path).name}")
+        os.close(fd)
+        write_atomic(Path(kept), text)
+        return Path(kept), f"cannot write {path} ({exc.strerror or exc})"

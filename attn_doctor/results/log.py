@@ -1,0 +1,135 @@
+"""A sweep's folder: `results.jsonl` (rows streamed point by point, each point flushed to disk as it
+finishes), `sweep.json` (the sweep's header, written before the first point: command, device, requested
+backends, a first fingerprint) and, once the sweep is over, `results.json`.
+
+An interrupted sweep loses at most the points in flight; `--resume` skips the points already there, and
+`report` reads the folder as it is (`load_results`), so an interrupted sweep reports exactly what a
+finished one reports for the rows it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attn_doctor.core.errors import BadInput
+from attn_doctor.results.files import write_atomic, write_atomic_bytes
+from attn_doctor.results.report import RunReport, dumps, read_report
+from attn_doctor.results.row import Row
+
+RESULTS_FILE = "results.jsonl"
+HEADER_FILE = "sweep.json"
+DOCUMENT_FILE = "results.json"
+
+
+@dataclass
+class Record:
+    """One line of results.jsonl: a row of a point, the last of the point's lines marked complete."""
+
+    line: bytes  # as written, without its newline
+    point: str
+    complete: bool
+    row: Row
+
+
+def read_records(path: Path, hint: str, skip_blank: bool = False) -> tuple[list[Record], bool]:
+    """Every whole line of a results.jsonl, and whether the last line was torn (cut off mid-write: the sweep
+    was killed while writing it). A line that is not a sweep record is bad input naming the file, the line
+    and `hint` (what to do about it)."""
+    lines = path.read_bytes().split(b"\n")
+    torn = lines.pop() != b""  # b"" when the file ends with a newline
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if skip_blank and not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+            records.append(Record(line, record["point"], bool(record.get("point_complete")), Row.from_dict(record)))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+                BadInput) as exc:
+            raise BadInput(f"{path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); {hint}") from None
+    return records, torn
+
+
+class ResultsLog:
+    """results.jsonl: rows appended point by point, each line flushed to disk before the next point runs."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.path = self.directory / RESULTS_FILE
+        self.header_path = self.directory / HEADER_FILE
+
+    def load(self) -> tuple[list[Row], set[str]]:
+        """Rows and finished point ids already there. Lines of a point that never finished (the sweep was
+        killed while writing it, possibly mid-line) are dropped from the file, so its rerun is the only copy."""
+        if not self.path.exists():
+            return [], set()
+        records, torn = read_records(self.path, "move the file away to start over")
+        by_point: dict[str, list[Record]] = {}
+        for record in records:
+            by_point.setdefault(record.point, []).append(record)
+        complete = [record.point for record in records if record.complete]
+        if set(by_point) - set(complete) or torn:
+            kept = b"".join(record.line + b"\n" for point in complete for record in by_point[point])
+            write_atomic_bytes(self.path, kept)
+        rows = [record.row for point in complete for record in by_point[point]]
+        return rows, set(complete)
+
+    def write_header(self, report: RunReport) -> None:
+        """The document a finished sweep would write, without rows: what `report` shows for an interrupted one."""
+        if not self.header_path.exists():
+            write_atomic(self.header_path, dumps(report.to_dict()))
+
+    def append(self, point_id: str, rows: list[Row]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for index, row in enumerate(rows):
+            record = {"point": point_id, **row.to_dict()}
+            if index == len(rows) - 1:
+                record["point_complete"] = True
+            lines.append(json.dumps(record, allow_nan=True))
+        with open(self.path, "a") as handle:
+            handle.write("\n".join(lines) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def _header(directory: Path) -> dict[str, Any]:
+    path = directory / HEADER_FILE
+    try:
+        header = json.loads(path.read_text())
+        return header if isinstance(header, dict) else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+
+
+def _from_jsonl(path: Path) -> RunReport:
+    records, _torn = read_records(path, "the file may be truncated or foreign", skip_blank=True)
+    rows = [record.row for record in records]  # unfinished points too: this is what the sweep got to
+    if not rows:
+        raise BadInput(f"{path} holds no results yet")
+    header = _header(path.parent)
+    if header:
+        report = RunReport.from_dict({**header, "results": []}, source=str(path.parent / HEADER_FILE))
+        return dataclasses.replace(report, rows=rows)
+    return RunReport(command=f"(interrupted sweep, read from {path.name})", device="", env=None, rows=rows)
+
+
+def load_results(path: Path) -> tuple[RunReport, Path]:
+    """A run's results.json, or a sweep folder (its results.json, or the results.jsonl of an interrupted
+    sweep with its header); with the folder the document lives in (its plot is beside it)."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / DOCUMENT_FILE).is_file():
+            path = path / DOCUMENT_FILE
+        elif (path / RESULTS_FILE).is_file():
+            return _from_jsonl(path / RESULTS_FILE), path
+        else:
+            raise BadInput(f"{path} holds no results.json or results.jsonl; pass a results file or a sweep directory")
+    if path.suffix == ".jsonl":
+        return _from_jsonl(path), path.parent
+    return read_report(path), path.parent

@@ -1,0 +1,131 @@
+"""The results document of a run, a sweep or a distributed run: its rows, what was asked and the machine.
+
+Like black's `Report`, everything concluded from the rows is derived, never stored and patched: the faulty
+paths, the summary sentence, the exit code and the depth findings are properties (`attn_doctor.verdict`
+computes them). The JSON form writes them out for other readers; reading a document back derives them again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from attn_doctor.core.errors import BadInput
+from attn_doctor.machine.fingerprint import EnvReport
+from attn_doctor.results.row import Row
+from attn_doctor.verdict import depth as depth_analysis
+from attn_doctor.verdict import diagnosis
+
+FORMAT = "attn-doctor/results"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class RunReport:
+    command: str
+    device: str
+    env: EnvReport | None
+    rows: list[Row]
+    requested: list[str] | None = None  # the backends the user asked for (None: not recorded, all of them)
+    tool_version: str = ""
+    created: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+    artifacts: dict[str, str] = field(default_factory=dict)  # files beside the document, e.g. {"plot": "depth.png"}
+    interrupted: bool = False  # Ctrl-C: the rows are what finished before it
+
+    # -- derived (the rows are not changed after a report is made) --
+
+    @cached_property
+    def faulty(self) -> list[diagnosis.Faulty]:
+        return diagnosis.find_faulty(self.rows)
+
+    @cached_property
+    def summary(self) -> str:
+        text = diagnosis.summarize(self.rows, self.requested)
+        return f"Interrupted (Ctrl-C) before every probe ran; of the {len(self.rows)} that finished: {text}" \
+            if self.interrupted else text
+
+    @property
+    def exit_code(self) -> int:
+        return diagnosis.exit_code(self.rows, self.requested)
+
+    @property
+    def untested(self) -> str | None:
+        """Why nothing that was asked for was tested (exit code 2), or None."""
+        return diagnosis.untested(self.rows, self.requested)
+
+    @cached_property
+    def depth_lines(self) -> list[depth_analysis.DepthLine]:
+        return depth_analysis.depth_lines(self.rows)
+
+    # -- JSON --
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tool_version": self.tool_version,
+            "created": self.created,
+            "command": self.command,
+            "device": self.device,
+            "env": self.env.to_dict() if self.env is not None else None,
+            "summary": self.summary,
+            "faulty": [f.to_dict() for f in self.faulty],
+            "results": [row.to_dict() for row in self.rows],
+            "seconds": self.seconds,
+            "artifacts": self.artifacts,
+        }
+        if self.requested is not None:  # documents written before it was recorded read back unchanged
+            d["requested"] = self.requested
+        if self.interrupted:
+            d["interrupted"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "results") -> "RunReport":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise BadInput(f"{source} is not an attn-doctor results document (no \"format\": \"{FORMAT}\")")
+        try:
+            requested = d.get("requested")
+            return cls(
+                command=d.get("command", ""),
+                device=d.get("device", ""),
+                env=EnvReport.from_dict(d["env"]) if d.get("env") else None,
+                rows=[Row.from_dict(r) for r in d["results"]],
+                requested=[str(name) for name in requested] if isinstance(requested, list) else None,
+                tool_version=d.get("tool_version", ""),
+                created=d.get("created", ""),
+                seconds=d.get("seconds", {}),
+                artifacts=d.get("artifacts", {}),
+                interrupted=bool(d.get("interrupted", False)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, BadInput) as exc:
+            raise BadInput(f"{source} is damaged ({type(exc).__name__}: {exc}); re-run attn-doctor to regenerate it") from None
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+def dumps(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, default=_json_default, allow_nan=True) + "\n"
+
+
+def read_report(path: Path) -> RunReport:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise BadInput(f"no results file {path}; run `attn-doctor run --json {path}` first") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"cannot read {path}: {exc}") from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be truncated") from None
+    return RunReport.from_dict(document, source=str(path))

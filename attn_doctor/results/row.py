@@ -1,0 +1,101 @@
+"""One results row: where a probe ran (its coordinates), what ran, what it measured and the verdict."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from attn_doctor.core.case import Case
+from attn_doctor.core.coords import BackendSpec, Coords
+from attn_doctor.numerics.metrics import TensorMetrics
+from attn_doctor.verdict.rule import FAIL, TensorVerdict
+
+
+@dataclass
+class Row:
+    coords: Coords
+    verdict: str  # PASS / FAIL / SKIP / ERROR ("" until judged)
+    ran: str = ""
+    reason: str = ""
+    detail: str = ""
+    metrics: dict[str, TensorMetrics] = field(default_factory=dict)
+    tensors: dict[str, TensorVerdict] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # probe-specific facts (per-layer errors, distances)
+    internal: bool = False  # an ERROR that is attn-doctor's own failure, not the kernel's
+
+    @property
+    def backend(self) -> str:
+        return self.coords.backend.name
+
+    @property
+    def family(self) -> str:
+        return self.coords.backend.family
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.coords.backend.options
+
+    @property
+    def layout(self) -> str:
+        return self.coords.layout
+
+    @property
+    def case(self) -> Case:
+        return self.coords.case
+
+    def repro_command(self) -> str:
+        """The attn-doctor command that re-runs exactly this row."""
+        from attn_doctor.backends import selector
+
+        return self.coords.repro_command(selector(self.coords.backend))
+
+    @property
+    def failing_tensors(self) -> list[str]:
+        return [name for name, t in self.tensors.items() if t.verdict == FAIL]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "backend": self.backend,
+            "family": self.family,
+            "layout": self.layout,
+            "ran": self.ran,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "detail": self.detail,
+            "case": self.case.to_dict(),
+            "options": self.options,
+            "coords": self.coords.params(),
+            "extra": self.extra,
+            "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
+            "seconds": self.seconds,
+        }
+        if self.internal:
+            d["internal"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Row":
+        tensors = {name: _tensor_verdict(name, t) for name, t in d.get("tensors", {}).items()}
+        spec = BackendSpec(d["backend"], d.get("family", ""), dict(d.get("options", {})))
+        coords = Coords.from_params(Case.from_dict(d["case"]), spec, d["layout"], d.get("coords", {}))
+        return cls(
+            coords=coords,
+            verdict=d["verdict"],
+            ran=d.get("ran", ""),
+            reason=d.get("reason", ""),
+            detail=d.get("detail", ""),
+            tensors=tensors,
+            seconds=d.get("seconds", {}),
+            extra=d.get("extra", {}),
+            internal=bool(d.get("internal", False)),
+        )
+
+
+def _tensor_verdict(name: str, d: dict[str, Any]) -> TensorVerdict:
+    verdict = TensorVerdict(**d)
+    for key, value in vars(verdict).items():
+        if key not in ("verdict", "why") and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
+            raise ValueError(f"tensor {name}: {key} is {value!r}, not a number")
+    return verdict

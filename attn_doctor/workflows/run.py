@@ -1,0 +1,156 @@
+"""`run`: one case, every requested backend, judged against float64; in one process's workers, as TP
+shards (`--tp` without `--nproc`), or on real ranks (`--nproc`). Callable without the command line."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+from attn_doctor.core.case import Case
+from attn_doctor.core.coords import BackendSpec, Coords, check_grid
+from attn_doctor.core.errors import BadInput
+from attn_doctor.execution.progress import ProgressSink
+from attn_doctor.results.report import RunReport
+from attn_doctor.results.row import Row
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C during a run: `report` holds the probes that finished, judged."""
+
+    def __init__(self, report: RunReport):
+        super().__init__("interrupted")
+        self.report = report
+
+
+@dataclass
+class RunRequest:
+    case: Case
+    specs: list[BackendSpec]
+    layouts: list[str]
+    device: str
+    command: str = "attn-doctor run"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    tp: int = 1
+    cp: int = 1
+    cp_comm_type: str | None = None
+    nproc: int | None = None  # real ranks; None: one process's workers
+    layouts_given: bool = False  # --layout was given (it does not apply to TP shards)
+
+    def check(self) -> None:
+        """Refuse what cannot run whatever the machine: a grid that contradicts itself, options that do not go
+        together. Every rule here leaves nothing silently ignored."""
+        check_grid(self.tp, self.cp, self.cp_comm_type if self.cp > 1 else None, self.nproc)
+        if self.nproc is None and self.cp > 1:
+            raise BadInput(f"--cp {self.cp}: context parallelism runs on real ranks; add --nproc {self.tp * self.cp}")
+        if self.tp > 1 and self.layouts_given:
+            raise BadInput("--layout does not apply to TP shards (they are fed as head-sliced views and as contiguous "
+                           "copies); drop --layout or --tp")
+
+
+def plan(request: RunRequest) -> list[Coords]:
+    from attn_doctor.probes.plan import plan_calls, plan_tp
+
+    if request.tp > 1 and request.nproc is None:
+        return plan_tp(request.case, request.specs, [request.tp])
+    return plan_calls(request.case, request.specs, request.layouts)
+
+
+def make_report(rows: list[Row], request_specs: list[BackendSpec], device: str, command: str,
+                facts: dict | None = None, probe_te: bool = True, interrupted: bool = False) -> RunReport:
+    """Judged rows -> the results document, with the machine's fingerprint (TE's facts from the TE worker
+    when it ran, else probed in a subprocess when `probe_te`)."""
+    from attn_doctor import __version__
+    from attn_doctor.machine.fingerprint import collect_env
+    from attn_doctor.machine.te_probe import te_installed
+
+    te_facts = (facts or {}).get("te_facts")
+    env = collect_env(te_facts=te_facts, probe_te=probe_te and te_facts is None and te_installed())
+    return RunReport(command=command, device=device, env=env, rows=rows,
+                     requested=list(dict.fromkeys(spec.name for spec in request_specs)),
+                     tool_version=__version__, interrupted=interrupted,
+                     created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def runnable(coords_list: list[Coords], specs: list[BackendSpec], device: str) -> list[Coords]:
+    """The probes that can run here. Refuses (BadInput, before any worker starts) a request none of whose
+    requested probes can: every one statically skipped, with the reasons."""
+    from attn_doctor.execution.session import skipped_row
+    from attn_doctor.probes.plan import static_skip
+    from attn_doctor.verdict.diagnosis import untested
+
+    rows, todo = [], []
+    for coords in coords_list:
+        reason = static_skip(coords, device)
+        rows.append(skipped_row(coords, reason) if reason else Row(coords=coords, verdict=""))  # "": still to run
+        if not reason:
+            todo.append(coords)
+    why = untested(rows, [spec.name for spec in specs])
+    if why is not None:
+        raise BadInput(why)
+    return todo
+
+
+def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
+    """The whole `run`: probes, verdicts and the environment, in a results document."""
+    request.check()
+    if request.nproc is not None:
+        return run_distributed(request, progress)
+    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.execution.session import Session
+
+    coords = plan(request)
+    check_fits(runnable(coords, request.specs, request.device), request.device)
+    progress = progress or ProgressSink()
+    start = time.perf_counter()
+    progress.begin(len(coords), "probes")
+    try:
+        with Session(request.device, request.timeout_s, progress=progress) as session:
+            rows = session.run(coords, on_row=lambda row: progress.advance(1, f"{row.backend} {row.layout}"))
+            facts, startup = session.facts, session.startup_seconds
+            reference_s = session.references.seconds
+    except KeyboardInterrupt as exc:
+        progress.end()
+        finished = getattr(exc, "finished_rows", [])
+        raise RunInterrupted(make_report(finished, request.specs, request.device, request.command, probe_te=False,
+                                         interrupted=True)) from None
+    progress.end()
+    probes_s = time.perf_counter() - start
+    report = make_report(rows, request.specs, request.device, request.command, facts)
+    report.seconds = profile(rows, startup, reference_s, probes_s, time.perf_counter() - start)
+    return report
+
+
+def run_distributed(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
+    """`run --nproc`: each backend on N torchrun ranks, judged against the baseline rank 0 measured."""
+    from attn_doctor import distributed
+
+    comm = request.cp_comm_type if request.cp > 1 else None
+    distributed.check_launchable(request.nproc, request.tp, request.cp, comm, request.device)
+    runnable([Coords.distributed(request.case, spec, request.tp, request.cp, comm) for spec in request.specs],
+             request.specs, request.device)
+    progress = progress or ProgressSink()
+    progress.begin(len(request.specs), f"probes on {request.nproc} ranks")
+    outcomes = distributed.launch_many([(spec, request.case) for spec in request.specs], nproc=request.nproc,
+                                       tp=request.tp, cp=request.cp, cp_comm_type=comm, device=request.device,
+                                       timeout_s=request.timeout_s)
+    progress.end()
+    return make_report(distributed.judged_rows(outcomes), request.specs, request.device, request.command)
+
+
+def profile(rows: list[Row], startup: dict[str, float], reference_s: float, probes_s: float,
+            total_s: float) -> dict[str, float]:
+    """Where the time went. Families run concurrently, so per-family sums can exceed the wall time."""
+    in_workers: dict[tuple, float] = {}  # opening the shared reference, or computing it where sharing failed
+    kernels = compare = 0.0
+    for row in rows:
+        in_workers[(row.family, row.coords.baseline_key())] = row.seconds.get("reference", 0.0)
+        kernels += row.seconds.get("kernel", 0.0)
+        compare += row.seconds.get("compare", 0.0)
+    seconds = {f"worker start ({family})": s for family, s in startup.items()}
+    seconds.update({"reference (once per case)": reference_s,
+                    "reference (in the workers)": sum(in_workers.values()), "kernels": kernels, "comparison": compare,
+                    "probes (wall)": probes_s, "env + verdicts": total_s - probes_s, "diagnose (wall)": total_s})
+    return seconds
