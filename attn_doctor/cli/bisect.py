@@ -33,18 +33,26 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
            repeats, json_path, out_dir, **case_flags) -> int:
     """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
     standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
-    from attn_doctor.backends import select
-    from attn_doctor.bisect import knobs
-    from attn_doctor.bisect.driver import BisectRequest, bisect as bisect_workflow, start_from_results
-    from attn_doctor.bisect.engine import CannotBisect, NothingToBisect
-    from attn_doctor.machine.devices import check_device_name, resolve_device
-    from attn_doctor.render.terminal import bisect_tables
-    from attn_doctor.results.files import check_writable, write_or_keep
-    from attn_doctor.results.report import dumps
+    from attn_doctor.machine.devices import check_device_name
 
     if repeats < 1:
         raise BadInput("--repeats takes a whole number >= 1")
     check_device_name(device)
+    if from_results is not None:
+        given = [name.replace("_", "-") for name, value in case_flags.items() if value is not None]
+        if given or backends or kernels or layouts or tp != 1 or layers:
+            raise BadInput("--from starts from a row of the results, with its case, backend and layout; drop "
+                           f"{', '.join('--' + g for g in given) or 'the case and backend options'}")
+    case = build_case(case_flags) if from_results is None else None
+    from attn_doctor.backends import select
+    from attn_doctor.bisect import knobs
+    from attn_doctor.bisect.driver import BisectRequest, bisect as bisect_workflow, start_from_results
+    from attn_doctor.bisect.engine import CannotBisect, NothingToBisect
+    from attn_doctor.machine.devices import resolve_device
+    from attn_doctor.render.terminal import bisect_tables
+    from attn_doctor.results.files import check_writable, write_or_keep
+    from attn_doctor.results.report import dumps
+
     if from_results is not None:
         start, directory = start_from_results(from_results, row_index)
     else:
@@ -54,7 +62,7 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
                            f"(got {len(specs)}), or --from RESULTS")
         if len(layouts) > 1:
             raise BadInput("bisect starts from one layout: give --layout at most once")
-        start = knobs.coords_at(build_case(case_flags), layouts[0] if layouts else "contiguous", tp, layers, specs[0])
+        start = knobs.coords_at(case, layouts[0] if layouts else "contiguous", tp, layers, specs[0])
         directory = None
     directory = out_dir or directory or app.new_run_dir("bisect")
     check_writable(directory, "--out", directory=True)

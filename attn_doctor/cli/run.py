@@ -31,14 +31,16 @@ from attn_doctor.core.layouts import LAYOUTS
 def run(app: Application, json_path: Path | None, profile: bool, wide: bool, nproc: int | None, tp_degree: int,
         cp_degree: int, cp_comm_type: str, backends, kernels, layouts, device, timeout, **case_flags) -> int:
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
+    from attn_doctor.machine.devices import check_device_name
+
+    case = build_case(case_flags)  # the input that needs no torch is checked before torch is imported
+    check_device_name(device)
     from attn_doctor.backends import select
-    from attn_doctor.machine.devices import check_device_name, resolve_device
+    from attn_doctor.machine.devices import resolve_device
     from attn_doctor.results.files import check_writable
     from attn_doctor.workflows.run import RunInterrupted, RunRequest, run as run_workflow
 
-    case = build_case(case_flags)
     specs = select(backends, kernels)
-    check_device_name(device)
     out_path = json_path or app.new_run_dir("run") / "results.json"
     check_writable(out_path, "--json")
     request = RunRequest(case, specs, list(layouts or LAYOUTS), device, app.command_line(), timeout, tp=tp_degree,

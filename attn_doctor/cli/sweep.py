@@ -26,24 +26,26 @@ from attn_doctor.core.layouts import LAYOUTS
 def sweep(app: Application, backends, kernels, layouts, device, timeout, resume, out_dir, workers,
           **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
-    from attn_doctor.backends import select
     from attn_doctor.core.case import expand_grid
-    from attn_doctor.machine.devices import check_device_name, resolve_device
+    from attn_doctor.machine.devices import check_device_name
+
+    base, grid, depths, degrees = build_grid(grid_flags)  # the input that needs no torch is checked first
+    cases = expand_grid(base, grid)
+    check_device_name(device)
+    if resume is not None and out_dir is not None and resume != out_dir:
+        raise BadInput("give either --resume DIR or --out DIR, not both")
+    from attn_doctor.backends import select
+    from attn_doctor.machine.devices import resolve_device
     from attn_doctor.render.terminal import sweep_view
     from attn_doctor.results.files import check_writable
     from attn_doctor.workflows import sweep as sweeping
 
-    base, grid, depths, degrees = build_grid(grid_flags)
-    cases = expand_grid(base, grid)
     specs = select(backends, kernels)
-    check_device_name(device)
-    if resume is not None and out_dir is not None and resume != out_dir:
-        raise BadInput("give either --resume DIR or --out DIR, not both")
     directory = resume or out_dir or app.new_run_dir("sweep")
     check_writable(directory, "--resume" if resume else "--out", directory=True)
     request = sweeping.SweepRequest(cases, specs, list(layouts or LAYOUTS), device, directory, resume=resume is not None,
                                     depths=depths, degrees=degrees, workers=workers, timeout_s=timeout,
-                                    command=app.command_line())
+                                    command=app.command_line(), layouts_given=bool(layouts))
     request.device = resolve_device(device)
     plan = sweeping.prepare(request)
     if len(plan.todo) < len(plan.points):

@@ -39,6 +39,8 @@ class ReferenceStore:
         self.failure: str | None = None  # the last reason sharing fell back to the workers
         self._lock = threading.Lock()
         self._entries: dict[tuple, _Entry] = {}
+        if device == "cpu":
+            _start_shm_manager()
 
     def expect(self, case: Case, layers: int | None = None) -> None:
         """One more job will ask for this reference (the attention's; with `layers`, the depth stack's)."""
@@ -125,6 +127,36 @@ class _Entry:
         self.pending = 0
         self.ready = False
         self.tensors: tuple | None = None
+
+
+_shm_manager_started = False
+
+
+def _start_shm_manager() -> None:
+    """Start torch's shared-memory manager (the daemon behind file_system sharing on the CPU) now, with
+    stderr pointed at /dev/null: it inherits stderr, and it outlives this process by a couple of seconds,
+    which would hold a pipe reading attn-doctor's stderr (`2>&1 | tee`) open after attn-doctor has exited.
+    Called from the thread that makes the session, before any worker or other thread writes to stderr."""
+    global _shm_manager_started
+    if _shm_manager_started:
+        return
+    _shm_manager_started = True
+    import os
+
+    import torch.multiprocessing
+
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        torch.empty(1).share_memory_()
+    except Exception:  # noqa: BLE001 - then torch starts it later, as it would anyway
+        pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def export_tensors(tensors: tuple) -> str:

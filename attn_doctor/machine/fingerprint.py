@@ -12,8 +12,6 @@ import dataclasses
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -35,6 +33,7 @@ FLASH_ATTN_DISTS: dict[str, tuple[str, ...]] = {
 }
 
 NOT_INSTALLED = "not installed"
+LATER_FACTS = ("cpu", "os")  # facts older results documents do not have
 NOT_PROBED = "not probed"
 
 
@@ -81,18 +80,23 @@ class EnvReport:
     te_cudnn: Fact
     flash_attn: dict[str, Fact] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
+    # Collected since the fingerprint first had them; None in documents written before.
+    cpu: Fact | None = None  # model and core count
+    os: Fact | None = None  # the distribution's name and version
 
     def to_dict(self) -> dict:
-        """JSON-able view."""
-        return dataclasses.asdict(self)
+        """JSON-able view (a fact that was not collected, in a document older than it, stays out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not (k in LATER_FACTS and v is None)}
 
     @classmethod
     def from_dict(cls, d: dict) -> EnvReport:
         """Inverse of :meth:`to_dict`; tolerant of missing keys from older files."""
         fact_names = [
-            f.name for f in dataclasses.fields(cls) if f.name not in ("gpus", "gpus_note", "flash_attn", "env_vars")
+            f.name for f in dataclasses.fields(cls)
+            if f.name not in ("gpus", "gpus_note", "flash_attn", "env_vars", *LATER_FACTS)
         ]
         facts = {name: Fact.from_dict(d.get(name)) for name in fact_names}
+        facts.update({name: Fact.from_dict(d[name]) for name in LATER_FACTS if d.get(name) is not None})
         gpus = []
         for g in d.get("gpus") or ():
             try:
@@ -241,34 +245,17 @@ def _collect_torch() -> tuple[Fact, Fact, Fact, Fact]:
 
 def _run_te_probe(cmd: Sequence[str], timeout_s: float) -> dict:
     """Run the probe command; returns its JSON dict, or ``{"error": why}``."""
-    env = dict(os.environ)
-    # The probe must import this package even when it is not installed (run from a checkout).
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    try:
-        proc = subprocess.Popen(
-            list(cmd),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-            errors="replace",
-            start_new_session=True,  # so a timeout can kill whatever the probe started
-        )
-    except Exception as exc:
-        return {"error": f"TE probe could not start: {_first_line(exc)}"}
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return {"error": f"TE probe timed out after {timeout_s:g}s"}
-    except Exception as exc:
-        _kill_group(proc)
-        return {"error": f"TE probe failed: {_first_line(exc)}"}
+    from attn_doctor.execution import processes
 
-    for line in reversed(out.splitlines()):
+    try:
+        done = processes.run_collect(cmd, timeout_s, env=processes.child_env({"PYTHONWARNINGS": "ignore"}))
+    except OSError as exc:
+        return {"error": f"TE probe could not start: {_first_line(exc)}"}
+    except Exception as exc:
+        return {"error": f"TE probe failed: {_first_line(exc)}"}
+    if done.returncode is None:
+        return {"error": f"TE probe timed out after {timeout_s:g}s"}
+    for line in reversed(done.stdout.splitlines()):
         line = line.strip()
         if line.startswith("{"):
             try:
@@ -277,31 +264,11 @@ def _run_te_probe(cmd: Sequence[str], timeout_s: float) -> dict:
                 continue
             if isinstance(facts, dict):
                 return facts
-    rc = proc.returncode
-    why = f"TE probe exited with code {rc}"
-    if rc is not None and rc < 0:
-        try:
-            why += f" ({signal.Signals(-rc).name})"
-        except ValueError:
-            pass
-    last_err = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), None)
+    why = f"TE probe exited with {processes.describe_exit(done.returncode)}"
+    last_err = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), None)
     if last_err:
         why += f": {last_err}"
     return {"error": why}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except Exception:
-        try:
-            proc.kill()
-        except Exception:
-            pass
-    try:
-        proc.communicate(timeout=5)
-    except Exception:
-        pass
 
 
 def _version_fact(value: object) -> Fact:
@@ -380,6 +347,33 @@ def collect_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]
     }
 
 
+def _collect_cpu() -> Fact:
+    """The CPU's model name and how many logical cores this process may use."""
+    model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine() or None
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    cores = f"{usable} logical cores" + (f" of {os.cpu_count()}" if usable != os.cpu_count() else "")
+    return Fact(f"{model}, {cores}" if model else cores)
+
+
+def _collect_os() -> Fact:
+    try:
+        release = platform.freedesktop_os_release()
+        return Fact(release.get("PRETTY_NAME") or f"{release.get('NAME', '')} {release.get('VERSION', '')}".strip())
+    except (OSError, AttributeError):
+        return Fact(f"{platform.system()} {platform.release()}".strip() or None, None)
+
+
 def _safe(fn, fallback):
     try:
         return fn()
@@ -405,6 +399,8 @@ def collect_env(
         lambda e: Fact(None, e),
     )
     plat = _safe(lambda: Fact(platform.platform()), lambda e: Fact(None, e))
+    cpu = _safe(_collect_cpu, lambda e: Fact(None, e))
+    os_name = _safe(_collect_os, lambda e: Fact(None, e))
     driver, gpus, gpus_note = _safe(_collect_nvml, lambda e: (Fact(None, e), (), e))
     torch_v, torch_cuda, torch_cudnn, cuda_available = _safe(_collect_torch, lambda e: (Fact(None, e),) * 4)
     te, te_core, te_torch, te_cudnn = _safe(
@@ -429,4 +425,6 @@ def collect_env(
         te_cudnn=te_cudnn,
         flash_attn=flash,
         env_vars=env_vars,
+        cpu=cpu,
+        os=os_name,
     )

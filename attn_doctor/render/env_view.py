@@ -43,6 +43,9 @@ def _rows(env: EnvReport) -> list[tuple[str, str, Kind]]:
 
     add("Python", env.python)
     add("platform", env.platform)
+    for label, fact in (("OS", env.os), ("CPU", env.cpu)):
+        if fact is not None:  # documents written before these were collected do not have them
+            add(label, fact)
     add("NVIDIA driver", env.driver)
     for gpu in env.gpus:
         rows.append((f"GPU {gpu.index}", f"{gpu.name}, {gpu.sm}, {gpu.memory_total_mib} MiB", "ok"))

@@ -78,8 +78,10 @@ def compact_env(env: EnvReport) -> list[list[str]]:
     gpus = "; ".join(f"{g.name} ({g.sm}, {g.memory_total_mib} MiB)" for g in env.gpus) or (env.gpus_note or "none")
     flash = ", ".join(f"{k} {v.value}" for k, v in env.flash_attn.items() if v.value) or "not installed"
     nvte = " ".join(f"{k}={v}" for k, v in env.env_vars.items() if k.startswith(("NVTE_", "CUDNN_"))) or "none set"
+    machine = [["CPU", fact(env.cpu)]] if env.cpu is not None else []
     return [
         ["GPU", gpus],
+        *machine,
         ["driver", fact(env.driver)],
         ["torch", f"{fact(env.torch)}, CUDA {fact(env.torch_cuda)}"],
         ["cuDNN (torch)", fact(env.torch_cudnn)],
@@ -87,6 +89,6 @@ def compact_env(env: EnvReport) -> list[list[str]]:
         ["Transformer Engine", f"{fact(env.te)}; core {fact(env.te_core)}; torch ext {fact(env.te_torch)}"],
         ["flash-attn", flash],
         ["NVTE_* / CUDNN_*", nvte],
-        ["Python", f"{fact(env.python)} on {fact(env.platform)}"],
+        ["Python", f"{fact(env.python)} on {fact(env.os) if env.os is not None else fact(env.platform)}"],
     ]
 

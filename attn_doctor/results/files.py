@@ -47,31 +47,32 @@ def write_atomic_bytes(path: Path, data: bytes) -> None:
 
 
 def check_writable(path: Path, option: str, directory: bool = False) -> None:
-    """Refuse (BadInput) a path the results could not be written to, before any work starts. Nothing is
-    created: the nearest existing folder must be a writable folder (a file is tried in it when it is the
-    path's own folder)."""
+    """Refuse (BadInput) a path the results could not be written to, before any work starts, by writing a
+    temp file where they will go; the folders that had to be made for it are removed again."""
     path = Path(path)
     if directory and path.exists() and not path.is_dir():
         raise BadInput(f"{option} {path} is a file; give a folder")
     if not directory and path.is_dir():
         raise BadInput(f"{option} {path} is a folder; give a file path")
     folder = path if directory else path.parent
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise BadInput(f"cannot write {option} {path}: {existing} is not a folder; choose another path")
-    why = None
-    if existing.resolve() == folder.resolve():
-        try:
-            with tempfile.TemporaryFile(dir=existing):
+    made: list[Path] = []
+    try:
+        for parent in reversed([folder, *folder.parents]):
+            if not parent.exists():
+                parent.mkdir()
+                made.append(parent)
+            elif not parent.is_dir():
+                raise NotADirectoryError(f"{parent} is not a folder")
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise BadInput(f"cannot write {option} {path}: {exc.strerror or exc}; choose another path") from None
+    finally:
+        for made_folder in reversed(made):
+            try:
+                made_folder.rmdir()
+            except OSError:
                 pass
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        why = "permission denied"
-    if why:
-        raise BadInput(f"cannot write {option} {path}: {existing} is not writable ({why}); choose another path")
 
 
 def write_or_keep(path: Path, text: str) -> tuple[Path, str | None]:

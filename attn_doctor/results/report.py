@@ -44,9 +44,12 @@ class RunReport:
 
     @cached_property
     def summary(self) -> str:
-        text = diagnosis.summarize(self.rows, self.requested)
-        return f"Interrupted (Ctrl-C) before every probe ran; of the {len(self.rows)} that finished: {text}" \
-            if self.interrupted else text
+        if not self.interrupted:
+            return diagnosis.summarize(self.rows, self.requested)
+        if self.untested is not None:
+            return "Interrupted (Ctrl-C) before any requested probe finished."
+        return (f"Interrupted (Ctrl-C) before every probe ran; of the {len(self.rows)} that finished: "
+                f"{diagnosis.summarize(self.rows, self.requested)}")
 
     @property
     def exit_code(self) -> int:

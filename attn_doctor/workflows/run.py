@@ -48,6 +48,9 @@ class RunRequest:
         if self.tp > 1 and self.layouts_given:
             raise BadInput("--layout does not apply to TP shards (they are fed as head-sliced views and as contiguous "
                            "copies); drop --layout or --tp")
+        if self.nproc is not None and self.layouts_given:
+            raise BadInput("--layout does not apply to --nproc runs (every rank gets its shard as a contiguous "
+                           "copy); drop --layout or --nproc")
 
 
 def plan(request: RunRequest) -> list[Coords]:

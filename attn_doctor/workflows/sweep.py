@@ -32,6 +32,7 @@ class SweepRequest:
     workers: int | None = None  # per backend family; None: 2 on a GPU, 1 on the CPU
     timeout_s: float = 300.0
     command: str = "attn-doctor sweep"
+    layouts_given: bool = False  # --layout was given (it does not apply to TP shards and depth stacks)
 
 
 @dataclass
@@ -67,6 +68,9 @@ def prepare(request: SweepRequest) -> SweepPlan:
     from attn_doctor.execution.budget import check_fits
     from attn_doctor.workflows.run import runnable
 
+    if request.layouts_given and (request.depths or request.degrees):
+        raise BadInput(f"--layout does not apply to {'depth stacks (--layers)' if request.depths else 'TP shards (--tp)'}"
+                       "; drop --layout, or sweep the layouts without --layers/--tp")
     log = ResultsLog(request.directory)
     if request.resume and not log.path.exists():
         raise BadInput(f"--resume {request.directory}: no {log.path.name} there; start the sweep with --out instead")
