@@ -7,6 +7,7 @@ it must be recognised, and variants with one condition flipped where it must not
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -565,3 +566,24 @@ def test_missing_id_raises_value_error(tmp_path):
 def test_unreadable_file_raises_value_error(tmp_path):
     with pytest.raises(ValueError, match="cannot be read"):
         load_known_bugs(tmp_path / "missing.toml")
+
+
+# --- where the matches are shown -------------------------------------------------------------------------------
+
+def test_env_shows_the_defects_that_match_the_machine(monkeypatch, run_cli):
+    """`attn-doctor env` prints the environment-level rules that match (the README's promise)."""
+    from attn_doctor.cli import known
+    from attn_doctor.machine import fingerprint
+
+    sm120 = make_env(te_cudnn="9.17.0 (91700)", sm="sm_120")
+    assert any("te-2693" in line or "2693" in line for line in known.machine_defects(sm120))
+    h200 = make_env(te_cudnn="9.19.0 (91900)", sm="sm_90")
+    assert known.machine_defects(h200) == [describe(m) for m in match_environment(BUGS, h200)]
+    monkeypatch.setattr(fingerprint, "collect_env", lambda **kwargs: sm120)
+    result = run_cli(["env", "--no-te"])
+    assert result.exit_code == 0, result.output
+    assert "Known TE/cuDNN defects that match this machine:" in result.stdout
+    assert "2693" in " ".join(result.stdout.split())
+    document = json.loads(run_cli(["env", "--no-te", "--json"]).stdout)
+    assert document["known_defects"] and any("2693" in line for line in document["known_defects"])
+    assert EnvReport.from_dict(document) == sm120

@@ -10,7 +10,7 @@ from typing import Any
 
 from attn_doctor.backends import BASELINE
 from attn_doctor.bisect import knobs
-from attn_doctor.bisect.engine import BisectResult, Bisector, Outcome, Probe
+from attn_doctor.bisect.engine import Bisector, BisectResult, Outcome, Probe
 from attn_doctor.core.coords import Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
 from attn_doctor.execution.progress import ProgressSink

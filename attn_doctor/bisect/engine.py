@@ -61,15 +61,11 @@ class BisectResult:
 
     def to_dict(self) -> dict:
         return {
-            "start_case": _knob_dict(self.start),
-            "minimal_case": _knob_dict(self.minimal),
+            "start_case": knobs.knob_dict(self.start),
+            "minimal_case": knobs.knob_dict(self.minimal),
             "necessary": [dataclasses.asdict(c) for c in self.necessary],
             "probes": [dataclasses.asdict(s) for s in self.steps],
         }
-
-
-def _knob_dict(coords: Coords) -> dict:
-    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
 
 
 class NothingToBisect(Exception):

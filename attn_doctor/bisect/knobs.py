@@ -32,6 +32,11 @@ def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int =
     return Coords.call(case, backend, layout)
 
 
+def knob_dict(coords: Coords) -> dict:
+    """The knobs' values: what a bisect document records of a probe (and what names its repro)."""
+    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
+
+
 def _rebuilt(coords: Coords, **changes: Any) -> Coords:
     values = {"case": coords.case, "layout": coords.layout if coords.kind is not ProbeKind.DEPTH else "contiguous",
               "tp": coords.tp, "layers": coords.layers, **changes}
@@ -150,5 +155,5 @@ def value(coords: Coords, knob: str) -> Any:
     return spec.value(coords)
 
 
-__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "moves", "valid",
-           "value"]
+__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "knob_dict", "moves",
+           "valid", "value"]

@@ -201,11 +201,9 @@ def _env_lines(env: EnvReport | None) -> str:
 
 
 def short_id(coords: Coords) -> str:
-    return hashlib.sha1(json.dumps([coords.backend.name, _knob_dict(coords)], sort_keys=True).encode()).hexdigest()[:8]
+    from attn_doctor.bisect.knobs import knob_dict
 
-
-def _knob_dict(coords: Coords) -> dict:
-    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
+    return hashlib.sha1(json.dumps([coords.backend.name, knob_dict(coords)], sort_keys=True).encode()).hexdigest()[:8]
 
 
 def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version: str, command: str) -> Path:

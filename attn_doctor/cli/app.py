@@ -122,7 +122,7 @@ class DoctorGroup(click.Group):
 
 
 def _interrupted(exc: BaseException) -> None:
-    from attn_doctor.execution import processes
+    from attn_doctor.core import processes
 
     processes.kill_all()  # nothing attn-doctor started may outlive it
     cause = exc.__context__ if isinstance(exc, click.Abort) else exc

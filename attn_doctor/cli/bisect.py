@@ -46,7 +46,8 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
     case = build_case(case_flags) if from_results is None else None
     from attn_doctor.backends import select
     from attn_doctor.bisect import knobs
-    from attn_doctor.bisect.driver import BisectRequest, bisect as bisect_workflow, start_from_results
+    from attn_doctor.bisect.driver import BisectRequest, start_from_results
+    from attn_doctor.bisect.driver import bisect as bisect_workflow
     from attn_doctor.bisect.engine import CannotBisect, NothingToBisect
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.render.terminal import bisect_tables

@@ -38,7 +38,8 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.results.files import check_writable
-    from attn_doctor.workflows.run import RunInterrupted, RunRequest, run as run_workflow
+    from attn_doctor.workflows.run import RunInterrupted, RunRequest
+    from attn_doctor.workflows.run import run as run_workflow
 
     specs = select(backends, kernels)
     out_path = json_path or app.new_run_dir("run") / "results.json"

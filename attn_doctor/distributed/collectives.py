@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from attn_doctor.distributed.rank import Context
+    from attn_doctor.distributed.context import Context
 
 
 def gather_seq(ctx: Context, x_local, seq: int):

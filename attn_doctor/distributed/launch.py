@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from attn_doctor.backends import BackendSpec
+from attn_doctor.core import processes
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BadGrid, Coords, check_grid
 from attn_doctor.distributed.grid import PROGRESS_PREFIX
 from attn_doctor.distributed.outcome import DistributedOutcome, outcome_from_result
-from attn_doctor.execution import processes
 from attn_doctor.execution.pool import STARTUP_TIMEOUT_S
 from attn_doctor.probes.plan import static_skip
 

@@ -24,8 +24,14 @@ from attn_doctor.backends import Backend, ParallelGroups, Unsupported
 from attn_doctor.core import layouts
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import kernel_code
-from attn_doctor.distributed.collectives import (a2a_heads_to_seq, a2a_seq_to_heads, gather_seq, reduce_scatter_seq,
-                                                 ring_gather_seq, ring_reduce_seq)
+from attn_doctor.distributed.collectives import (
+    a2a_heads_to_seq,
+    a2a_seq_to_heads,
+    gather_seq,
+    reduce_scatter_seq,
+    ring_gather_seq,
+    ring_reduce_seq,
+)
 from attn_doctor.distributed.context import Context, guarded
 
 A2A_METHOD = "all_to_all sequence <-> heads (Ulysses), the backend unchanged on the full sequence"

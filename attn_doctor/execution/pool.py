@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from attn_doctor.execution import processes
+from attn_doctor.core import processes
 
 STARTUP_TIMEOUT_S = 300.0
 

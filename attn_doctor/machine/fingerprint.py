@@ -245,7 +245,7 @@ def _collect_torch() -> tuple[Fact, Fact, Fact, Fact]:
 
 def _run_te_probe(cmd: Sequence[str], timeout_s: float) -> dict:
     """Run the probe command; returns its JSON dict, or ``{"error": why}``."""
-    from attn_doctor.execution import processes
+    from attn_doctor.core import processes
 
     try:
         done = processes.run_collect(cmd, timeout_s, env=processes.child_env({"PYTHONWARNINGS": "ignore"}))

@@ -522,9 +522,6 @@ def describe(match: Match) -> str:
     return text
 
 
-def describe_all(matches: Sequence[Match]) -> list[str]:
-    return [describe(m) for m in matches]
-
 
 def case_descriptions(env: EnvReport, cases: Sequence[tuple[Case, Sequence[str | None]]]) -> list[str]:
     """One line per known bug that matches the machine and any of the cases (each case with the qkv formats

@@ -70,8 +70,13 @@ class DepthCache:
     def get(self, case: Case, layers: int, progress: Progress | None = None
             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from attn_doctor.backends import BASELINE, build
-        from attn_doctor.probes.stack import (BackendAttention, float64_replica_dqs, layer_progress, make_stack,
-                                              run_stack)
+        from attn_doctor.probes.stack import (
+            BackendAttention,
+            float64_replica_dqs,
+            layer_progress,
+            make_stack,
+            run_stack,
+        )
 
         key = (case.key(), layers)
         if key != self._key:

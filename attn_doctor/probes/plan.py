@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from attn_doctor.backends import BASELINE, BackendSpec, static_skip as backend_static_skip
+from attn_doctor.backends import BASELINE, BackendSpec
+from attn_doctor.backends import static_skip as backend_static_skip
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import Coords, ProbeKind
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import base64
 from html import escape
 
-from attn_doctor.verdict.depth import depth_lines
 from attn_doctor.render.env_view import env_rows
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
-from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, dq_in_eps, sort_rows,
-                                            tensor_names)
+from attn_doctor.render.report_data import ReportData, call_rows, compact_env, dq_in_eps, sort_rows, tensor_names
 from attn_doctor.results.row import Row
+from attn_doctor.verdict.depth import depth_lines
 
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}

@@ -7,14 +7,12 @@ with failing rows first, the reproduce commands, and the long details folded int
 
 from __future__ import annotations
 
-from attn_doctor.verdict.depth import depth_lines
-from attn_doctor.verdict.rule import rule_sentence
 from attn_doctor.render.env_view import env_markdown
 from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci, tensor_cell
-from attn_doctor.render.report_data import (ReportData, call_rows, compact_env, dq_in_eps, sort_rows,
-                                            tensor_names)
+from attn_doctor.render.report_data import ReportData, call_rows, compact_env, dq_in_eps, sort_rows, tensor_names
 from attn_doctor.results.row import Row
-
+from attn_doctor.verdict.depth import depth_lines
+from attn_doctor.verdict.rule import rule_sentence
 
 escape = md_escape
 

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from attn_doctor.core.coords import ProbeKind
-
-if TYPE_CHECKING:
-    from attn_doctor.results.row import Row
+from attn_doctor.verdict.view import RowView
 
 
 @dataclass
@@ -30,7 +27,7 @@ class DepthLine:
     vs_tp1: float | None
 
 
-def depth_lines(rows: list[Row]) -> list[DepthLine]:
+def depth_lines(rows: list[RowView]) -> list[DepthLine]:
     """The depth rows' numbers, by backend, TP degree and depth."""
     lines = []
     for row in rows:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from attn_doctor.verdict.depth import depth_findings, depth_lines, depth_sentence
 from attn_doctor.verdict.rule import ERROR, FAIL, PASS, SKIP
-
-if TYPE_CHECKING:
-    from attn_doctor.results.row import Row
+from attn_doctor.verdict.view import RowView
 
 
 @dataclass(frozen=True)
@@ -42,10 +40,10 @@ class Faulty:
         }
 
 
-def find_faulty(rows: list[Row]) -> list[Faulty]:
+def find_faulty(rows: list[RowView]) -> list[Faulty]:
     """Group FAIL and ERROR rows by backend: which layouts, which tensors, which cases. An ERROR that is
-    attn-doctor's own (`Row.internal`) names no kernel path."""
-    groups: dict[str, list[Row]] = defaultdict(list)
+    attn-doctor's own (`RowView.internal`) names no kernel path."""
+    groups: dict[str, list[RowView]] = defaultdict(list)
     for row in rows:
         if row.verdict == FAIL or (row.verdict == ERROR and not row.internal):
             groups[row.backend].append(row)
@@ -81,7 +79,7 @@ def _tensor_phrase(tensors: tuple[str, ...]) -> str:
     return " and ".join(parts)
 
 
-def requested_rows(rows: list[Row], requested: list[str] | None) -> list[Row]:
+def requested_rows(rows: list[RowView], requested: list[str] | None) -> list[RowView]:
     """The rows of the backends the user asked for (all rows when that is not recorded)."""
     if requested is None:
         return rows
@@ -89,7 +87,7 @@ def requested_rows(rows: list[Row], requested: list[str] | None) -> list[Row]:
     return [row for row in rows if row.backend in wanted]
 
 
-def untested(rows: list[Row], requested: list[str] | None) -> str | None:
+def untested(rows: list[RowView], requested: list[str] | None) -> str | None:
     """Why nothing the user asked for was tested (every requested probe skipped), or None when something was.
     One line: the reasons, most common first."""
     asked = requested_rows(rows, requested)
@@ -108,7 +106,7 @@ def untested(rows: list[Row], requested: list[str] | None) -> str | None:
     return f"nothing was tested: every requested path was skipped here; {', '.join(backends)}: {first}{more}"
 
 
-def summarize(rows: list[Row], requested: list[str] | None = None) -> str:
+def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
     """The run's conclusion in one paragraph: the faulty paths (or that all agree), attn-doctor's own
     errors, and for depth probes how the error grows with depth."""
     tested = [row for row in rows if row.verdict in (PASS, FAIL, ERROR)]
@@ -143,7 +141,7 @@ def summarize(rows: list[Row], requested: list[str] | None = None) -> str:
     return f"{text} {depth}" if depth else text
 
 
-def exit_code(rows: list[Row], requested: list[str] | None = None) -> int:
+def exit_code(rows: list[RowView], requested: list[str] | None = None) -> int:
     """0 every tested path passes; 1 a path FAILs or ERRORs; 2 nothing the user asked for was tested
     (a request that cannot run here: never 0)."""
     if any(row.verdict in (FAIL, ERROR) for row in rows):
@@ -161,7 +159,7 @@ class BackendTally:
     failing_cases: list[str] = field(default_factory=list)
 
 
-def tally(rows: list[Row]) -> list[BackendTally]:
+def tally(rows: list[RowView]) -> list[BackendTally]:
     """Per backend: how many rows pass, and the failing ones with their knobs (pandas does the grouping)."""
     import pandas as pd
 

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from attn_doctor.backends import BASELINE
 from attn_doctor.core.coords import ProbeKind
 from attn_doctor.verdict.rule import ERROR, FAIL, PASS, combine, judge_tensor
-
-if TYPE_CHECKING:
-    from attn_doctor.results.row import Row
+from attn_doctor.verdict.view import RowView
 
 
-def judge(rows: list[Row]) -> list[Row]:
+def judge(rows: list[RowView]) -> list[RowView]:
     """Fill each measured row's per-tensor verdicts against the baseline row with its baseline key (see
     `Coords.baseline_key`); a measured row without one is an ERROR (never judged against nothing)."""
     baselines = {row.coords.baseline_key(): row for row in rows if row.metrics and row.coords.is_baseline(BASELINE)}
@@ -37,7 +33,7 @@ def judge(rows: list[Row]) -> list[Row]:
     return rows
 
 
-def apply_rank_verdicts(row: Row) -> Row:
+def apply_rank_verdicts(row: RowView) -> RowView:
     """A distributed row whose shards fail on some ranks FAILs (even when the whole tensor's error stays
     under the threshold), and its reason names those ranks and tensors. The shards were judged with the
     same rule where the ranks' results were read (`attn_doctor.distributed.outcome`)."""
