@@ -382,3 +382,23 @@ def test_the_wheel_ships_the_recipes_and_the_known_defects(tmp_path):
     assert {"attn_doctor/recipes/megatron-gpt-1615.toml", "attn_doctor/recipes/gqa-llama.toml",
             "attn_doctor/data/known_bugs.toml"} <= names
     assert not any(name.startswith(("tests/", "reports/", "benchmarks/")) for name in names)
+
+
+def test_what_ran_on_the_h200_is_not_refused_there():
+    """The estimate never refuses what the H200 (139 GiB free) ran: the default run on every layout, the GQA
+    recipe, and the depth sweeps of TE#1615 (24 and 128 layers, TP 1 and 2; run one family at a time)."""
+    from attn_doctor.backends import select
+    from attn_doctor.core.case import make_case
+    from attn_doctor.core.layouts import LAYOUTS
+    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.probes.plan import plan_calls, plan_depth, plan_tp
+
+    h200 = (139 << 30, "free on cuda")
+    specs = select([])
+    default = make_case()
+    check_fits(plan_calls(default, specs, list(LAYOUTS)), "cuda", available=h200)
+    check_fits(plan_calls(make_case(batch=2, seq=2048, heads=32, kv_heads=8, head_dim=128), specs, list(LAYOUTS)),
+               "cuda", available=h200)
+    check_fits(plan_tp(default, specs, [1, 2]), "cuda", workers_per_family=2, available=h200)
+    for layers in (24, 128):
+        check_fits(plan_depth(default, specs, [layers], [1, 2]), "cuda", available=h200)

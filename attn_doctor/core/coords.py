@@ -232,8 +232,19 @@ class Coords:
         """Where the probe ran, for a sentence: its layout, plus the rank grid of a distributed probe."""
         if self.kind is ProbeKind.DISTRIBUTED:
             cp = f" x CP={self.cp} {self.cp_comm_type or ''}".rstrip() if self.cp > 1 else ""
-            return f"{self.layout} (TP={self.tp}{cp}, {self.nproc} ranks)"
+            return f"{self.layout} (TP={self.tp}{cp}, {self.nproc} rank{'s' if self.nproc > 1 else ''})"
         return self.layout
+
+    def label(self) -> str:
+        """The kind and its parameters in a few characters, for a table cell ("" for a plain call)."""
+        if self.kind is ProbeKind.TP:
+            return f"TP {self.tp} {self.shards_as}"
+        if self.kind is ProbeKind.DEPTH:
+            return f"{self.layers} layers" + (f" TP {self.tp}" if self.tp > 1 else "")
+        if self.kind is ProbeKind.DISTRIBUTED:
+            return f"{self.nproc} rank{'s' if self.nproc > 1 else ''}" + (f" TP {self.tp}" if self.tp > 1 else "") + (
+                f" CP {self.cp} {self.cp_comm_type}" if self.cp > 1 else "")
+        return ""
 
     def repro_command(self, selector: str) -> str:
         """The attn-doctor command that re-runs exactly this probe; `selector` picks the backend

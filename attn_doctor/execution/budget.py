@@ -46,14 +46,13 @@ def _call_bytes(coords: Coords, case: Case) -> tuple[int, int]:
     return tensors, path.saved + path.transient
 
 
-def _reference(case: Case, device: str) -> int:
+def _reference(case: Case, device: str) -> tuple[int, int]:
     import torch
 
     from attn_doctor.numerics.reference import reference_bytes
 
-    kept, scratch = reference_bytes(case.batch, case.seq, case.seq_k, case.heads, case.num_kv_heads, case.head_dim,
-                                    torch.device(device.split(":")[0]))
-    return kept + scratch
+    return reference_bytes(case.batch, case.seq, case.seq_k, case.heads, case.num_kv_heads, case.head_dim,
+                           torch.device(device.split(":")[0]))
 
 
 def probe_need(coords: Coords) -> tuple[int, int]:
@@ -66,34 +65,34 @@ def probe_need(coords: Coords) -> tuple[int, int]:
         return tensors * 2, path  # the unsharded run is kept while the shards run
     if coords.kind is ProbeKind.DEPTH:
         item = ITEMSIZE[case.dtype]
-        shard = tp_shard(case, coords.tp)
-        saved = backends.memory(coords.backend, shard).saved * coords.tp
-        local = backends.memory(backends.BASELINE, case)
+        saved = backends.memory(coords.backend, tp_shard(case, coords.tp)).saved * coords.tp
+        local = backends.memory(backends.BASELINE, case).saved
         # The baseline's stack ran first in this worker; its per-layer dQ stays while the backend's runs.
-        stack = max(stack_bytes(case, coords.layers, item, saved * coords.layers),
-                    stack_bytes(case, coords.layers, item, local.saved * coords.layers))
+        stack = max(stack_bytes(case, coords.layers, item, saved), stack_bytes(case, coords.layers, item, local))
         return stack + coords.layers * _elements(case)[0] * item, path
     return tensors, path
 
 
-def parent_need(coords: Coords, device: str) -> int:
-    """Bytes of the float64 reference the parent computes and holds for this probe."""
+def parent_need(coords: Coords, device: str) -> tuple[int, int]:
+    """(kept, scratch): bytes of the float64 reference the parent holds while the probe runs, and the peak
+    of computing it (freed before the workers use it)."""
     from attn_doctor.probes.stack import stack_bytes
 
     case = coords.case
     if coords.kind is ProbeKind.DEPTH:
         q, kv = _elements(case)
         saved = (2 * q + 2 * kv + case.batch * case.heads * case.seq) * 8  # what float64 attention keeps per layer
-        return stack_bytes(case, coords.layers, 8, saved * coords.layers) + _reference(case, device)
+        return coords.layers * q * 8, stack_bytes(case, coords.layers, 8, saved) + sum(_reference(case, device))
     return _reference(case, device)
 
 
 def estimate(coords_list: list[Coords], device: str, workers_per_family: int = 1) -> Need:
-    """The peak of running these probes: the parent's references plus each family's largest probe, times
-    the workers of the family that may hold one at once."""
+    """The peak of running these probes: the references the parent keeps, plus the larger of computing one
+    and what the workers hold at once. Families run concurrently (their largest probes add up, times the
+    workers of a family); depth stacks run one family at a time (the largest stack counts)."""
     parts: dict[str, int] = {}
     per_family: dict[str, list[Coords]] = defaultdict(list)
-    references: dict[tuple, int] = {}
+    references: dict[tuple, tuple[int, int]] = {}
     for coords in coords_list:
         per_family[coords.backend.family].append(coords)
         key = (coords.case.key(), coords.reference_layers)
@@ -101,16 +100,21 @@ def estimate(coords_list: list[Coords], device: str, workers_per_family: int = 1
             references[key] = parent_need(coords, device)
     depth = any(c.kind is ProbeKind.DEPTH for c in coords_list)
     concurrent = 1 if depth else max(1, workers_per_family)
-    largest_references = sorted(references.values(), reverse=True)[:concurrent]
-    parts["the float64 reference"] = sum(largest_references)
+    kept = sum(sorted((k for k, _ in references.values()), reverse=True)[:concurrent])
+    scratch = max(s for _, s in references.values())
+    workers: dict[str, int] = {}
     for family, family_coords in per_family.items():
         tensors, path, name = max((*probe_need(c), c.backend.name) for c in family_coords)
         if path > tensors:
-            parts[f"{name}'s working memory (its scores)"] = path * concurrent
-            parts[f"the {family} worker's tensors"] = tensors * concurrent
+            workers[f"{name}'s working memory (its scores)"] = path * concurrent
+            workers[f"the {family} worker's tensors"] = tensors * concurrent
         else:
-            parts[f"the {family} worker's tensors"] = (tensors + path) * concurrent
-    return Need(sum(parts.values()), parts)
+            workers[f"the {family} worker's tensors"] = (tensors + path) * concurrent
+    at_once = max(workers.values()) if depth else sum(workers.values())
+    parts["the float64 reference"] = kept + (scratch if scratch > at_once else 0)
+    if at_once >= scratch:
+        parts.update(sorted(workers.items(), key=lambda item: -item[1])[:1] if depth else workers)
+    return Need(kept + max(scratch, at_once), parts)
 
 
 def available_bytes(device: str) -> tuple[int | None, str]:

@@ -183,7 +183,7 @@ class BackendAttention:
 def stack_bytes(case: Case, layers: int, itemsize: int, attention_saved: int) -> int:
     """Bytes a stack run holds at its peak (the end of the forward): the weights, and per layer what autograd
     keeps for the backward (the layer norm's input and output, the mixed qkv, the attention output and its
-    projection, the attention's own `attention_saved`), plus the per-layer dQ it returns."""
+    projection, and `attention_saved`, what one layer's attention keeps), plus the per-layer dQ it returns."""
     hidden = case.heads * case.head_dim
     qkv_out = (case.heads + 2 * case.num_kv_heads) * case.head_dim
     tokens = case.seq * case.batch

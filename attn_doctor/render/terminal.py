@@ -47,12 +47,13 @@ def results_table(rows: list[Row], title: str | None = None, wide: bool = False)
         return _wide_results_table(rows, title)
     table = _table(title, results_caption())
     table.add_column("backend", overflow="fold", max_width=24)
-    table.add_column("layout", no_wrap=True)
+    table.add_column("layout", overflow="fold", min_width=12)
     for name in TENSORS:
         table.add_column(f"{TENSOR_TITLES[name]} err\n×base", justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
     for row, layout in display_rows(rows):
-        table.add_row(row.backend, layout, *(_cell(row, name) for name in TENSORS),
+        where = f"{layout}\n{row.coords.label()}" if row.coords.label() else layout
+        table.add_row(row.backend, where, *(_cell(row, name) for name in TENSORS),
                       Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
     return table
 
@@ -83,11 +84,12 @@ def ran_lines(rows: list[Row]) -> list[Text]:
     by_backend: dict[str, dict[str, list[str]]] = {}
     for row in rows:
         if row.ran and row.tensors:
-            by_backend.setdefault(row.backend, {}).setdefault(row.ran, []).append(row.layout)
+            where = f"{row.layout}, {row.coords.label()}" if row.coords.label() else row.layout
+            by_backend.setdefault(row.backend, {}).setdefault(row.ran, []).append(where)
     lines = []
     for backend, answers in by_backend.items():
         for ran, where in answers.items():
-            on = f" (on {', '.join(dict.fromkeys(where))})" if len(answers) > 1 else ""
+            on = f" (on {'; '.join(dict.fromkeys(where))})" if len(answers) > 1 else ""
             lines.append(Text.assemble(("ran ", "dim"), f"{backend}: {ran}{on}"))
     return lines
 

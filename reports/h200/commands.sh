@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The commands that produced the H200 evidence in this folder, run on the lent H200 from the project root
 # after ../shared/device/stage-te.sh installed TE 2.20.2 (PYTHONPATH=$PWD, python3 = the machine's 3.12).
-# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep | bench-3 | shared-reference | bench-4 | bench-5)
+# Usage: bash reports/h200/commands.sh PART OUTDIR   (PART: runs | bisect | bench | bench-sweep | bench-3 | shared-reference | bench-4 | bench-5 | redesign-1 | redesign-2 | redesign-3)
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COLUMNS=170
@@ -62,5 +62,42 @@ bench-5)  # the float64 ceiling on float64 operands, the reference re-timed agai
        --repeats 3 --naive-max 8192
   step profile-reference python3 benchmarks/profile_reference.py --seq 131072 --heads 4 --trace /tmp/reference-trace.json
   step bench-matmul-ceiling-2 python3 benchmarks/bench_matmul_ceiling.py
+  ;;
+redesign-1)  # issue 14, the redesign, on the H200 with TE: at 80 columns, the findings again, TE's own TP path
+  export COLUMNS=80
+  step env $A env
+  $A env --json > "$out/env.json" 2>/dev/null
+  step run-default $A run --profile --json "$out/run-default/results.json"
+  step run-tp2 $A run --tp 2 --json "$out/run-tp2/results.json"
+  step run-nproc1-te $A run --nproc 1 --backend te --backend local --json "$out/run-nproc1-te/results.json"
+  step too-large $A run --seq 1000000 --json "$out/too-large/results.json"
+  step interrupt-run python3 reports/h200/interrupt.py 14 "$out/interrupt-run.log" -- run --json "$out/interrupt-run/results.json"
+  ;;
+redesign-2)  # the rest: a depth sweep, bisect and its repro, the CUDA IPC test, Ctrl-C in a depth sweep
+  export COLUMNS=80
+  step sweep-depth $A sweep --layers 24,128 --out "$out/sweep-depth"
+  step bisect $A bisect --from "$out/run-default/results.json" --json "$out/bisect/bisect.json" --out "$out/bisect"
+  for script in "$out"/bisect/repro_*.py; do
+    (cd /tmp && env -u PYTHONPATH python3 "$script") > "$out/bisect/repro-output.txt" 2>&1
+    rc=$?
+    echo "repro $(basename "$script"): exit $rc" | tee -a "$out/bisect/repro-output.txt"
+  done
+  step interrupt-sweep python3 reports/h200/interrupt.py 20 "$out/interrupt-sweep.log" -- sweep --layers 24,128 --out "$out/interrupt-sweep"
+  step cuda-test python3 -m pytest -q -p no:cacheprovider tests/test_shared_reference_cuda.py
+  for d in run-default run-tp2 run-nproc1-te sweep-depth; do
+    $A report "$out/$d" --format markdown --output "$out/$d/report.md"
+    $A report "$out/$d" --format html --output "$out/$d/report.html"
+  done
+  ;;
+redesign-3)  # a fresh lease: the depth sweeps again (the first lease's was refused by a wrong memory estimate)
+  export COLUMNS=80
+  step sweep-depth $A sweep --layers 24,128 --out "$out/sweep-depth"
+  step sweep-1615 $A sweep --recipe megatron-gpt-1615 --out "$out/sweep-1615"
+  step interrupt-sweep python3 reports/h200/interrupt.py 20 "$out/interrupt-sweep.log" -- sweep --layers 24,128 --out "$out/interrupt-sweep"
+  step run-nproc1-te $A run --nproc 1 --backend te --backend local --json "$out/run-nproc1-te/results.json"
+  for d in sweep-depth sweep-1615 run-nproc1-te; do
+    $A report "$out/$d" --format markdown --output "$out/$d/report.md"
+    $A report "$out/$d" --format html --output "$out/$d/report.html"
+  done
   ;;
 esac
