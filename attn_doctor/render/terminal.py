@@ -20,9 +20,9 @@ VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold magenta", "
 
 
 def _table(title: str | None = None, caption: str | None = None) -> Table:
-    # One space between columns and none at the edges: the widest row of every table here stays within 80.
+    # Two spaces between columns and none at the edges: the widest row of every table here stays within 80.
     return Table(title=title, caption=caption, box=box.SIMPLE_HEAD, header_style="bold", padding=(0, 1, 0, 0),
-                 pad_edge=False, collapse_padding=True)
+                 pad_edge=False, show_edge=False)
 
 
 def results_caption() -> str:
@@ -137,10 +137,11 @@ def depth_table(lines) -> Table:
     """dQ error at the first and last layer per backend and depth, against the baseline and pairwise (the TP
     columns only when a TP degree above 1 ran)."""
     with_tp = any(line.tp > 1 for line in lines)
-    table = _table("dQ against depth", "err: dQ relative error vs the stack's float64 replica; L1: first layer; "
-                   "‖−local‖, ‖−TP1‖: distance to the local baseline's dQ and to TP=1's")
-    columns = ["backend", *(["TP"] if with_tp else []), "layers", "err\nL1", "err\nlast", "local\nL1", "×base",
-               "‖−local‖\nL1", *(["‖−TP1‖\nL1"] if with_tp else []), "verdict"]
+    table = _table("dQ against depth", "L: layers; err: dQ relative error vs the stack's float64 replica at the "
+                   "first layer (L1) and the last; vs local, vs TP1: relative distance to the local baseline's dQ "
+                   "and to TP=1's at L1")
+    columns = ["backend", *(["TP"] if with_tp else []), "L", "err\nL1", "err\nlast", "local\nL1", "×base",
+               "vs\nlocal", *(["vs\nTP1"] if with_tp else []), "verdict"]
     for name in columns:
         table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=name != "backend",
                          overflow="fold", max_width=18 if name == "backend" else None)
