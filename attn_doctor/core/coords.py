@@ -229,7 +229,8 @@ class Coords:
         return text
 
     def place(self) -> str:
-        """Where the probe ran, for a sentence: its layout, plus the rank grid of a distributed probe."""
+        """Where the probe ran, for a sentence: its layout, plus the rank grid of a distributed probe (the
+        depth sentence says which stacks fail, the TP probe's layout whether its shards were views)."""
         if self.kind is ProbeKind.DISTRIBUTED:
             cp = f" x CP={self.cp} {self.cp_comm_type or ''}".rstrip() if self.cp > 1 else ""
             return f"{self.layout} (TP={self.tp}{cp}, {self.nproc} rank{'s' if self.nproc > 1 else ''})"
