@@ -402,3 +402,20 @@ def test_what_ran_on_the_h200_is_not_refused_there():
     check_fits(plan_tp(default, specs, [1, 2]), "cuda", workers_per_family=2, available=h200)
     for layers in (24, 128):
         check_fits(plan_depth(default, specs, [layers], [1, 2]), "cuda", available=h200)
+
+
+def test_wide_puts_what_ran_in_a_column(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from attn_doctor.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner(env={"COLUMNS": "180", "NO_COLOR": "1"})
+    result = runner.invoke(cli, ["run", *TINY, "--backend", "sdpa.math", "--backend", "local", "--layout",
+                                 "contiguous", "--wide", "--json", "r.json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if "backend" in line and "verdict" in line)
+    assert "ran" in header.split()
+    row = next(line for line in result.stdout.splitlines() if line.split()[:1] == ["sdpa.math"])
+    assert "SDPA math: composite matmul + softmax" in row and row.split()[-1] == "PASS"
+    assert not any(line.startswith("ran ") for line in result.stdout.splitlines())  # not repeated below

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -43,7 +43,6 @@ class Interrupted(Exception):
 class Application:
     argv: list[str]
     started: float = field(default_factory=time.perf_counter)
-    width: int | None = None  # None: the terminal's (80 in a pipe); --wide forces a wide results table
 
     def command_line(self) -> str:
         """The command as the user typed it, for the report's reproduce line."""
@@ -53,7 +52,7 @@ class Application:
     def console(self) -> Console:
         from rich.console import Console
 
-        return Console(highlight=False, markup=False, soft_wrap=False, width=self.width)
+        return Console(highlight=False, markup=False, soft_wrap=False)
 
     @cached_property
     def err_console(self) -> Console:
@@ -137,7 +136,3 @@ def _quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
-
-
-def pass_app(fn: Any) -> Any:
-    return click.pass_obj(fn)

@@ -80,9 +80,11 @@ class ResultsLog:
         return rows, set(complete)
 
     def write_header(self, report: RunReport) -> None:
-        """The document a finished sweep would write, without rows: what `report` shows for an interrupted one."""
+        """What a finished sweep's document holds besides its rows and what they conclude (command, device,
+        requested backends, fingerprint): `report` shows it with the rows of an interrupted sweep."""
         if not self.header_path.exists():
-            write_atomic(self.header_path, dumps(report.to_dict()))
+            header = {k: v for k, v in report.to_dict().items() if k not in ("summary", "faulty", "results")}
+            write_atomic(self.header_path, dumps(header))
 
     def append(self, point_id: str, rows: list[Row]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
