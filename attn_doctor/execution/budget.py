@@ -1,17 +1,20 @@
 """Memory, before anything starts: what a request's probes need at their peak, against what the device
 has free, and a refusal that says how much would be needed and what would fit.
 
-The estimate adds the float64 references the parent holds (`reference_bytes`), and per backend family the
-largest probe one worker runs: its inputs, the layout's buffers, outputs and gradients, the path's own
-working memory (`Backend.memory`: a path that materialises the scores grows with seq x seq_kv; the local
-baseline always runs, and always does) and the comparison's chunks. Families run concurrently, so their
-peaks add up; on a GPU the parent and the workers share the one device, on the CPU the machine's RAM.
+The estimate adds the float64 references the parent keeps (`reference_bytes`; a depth stack's per-layer dQ)
+to the larger of computing one (its tiles; a depth stack's float64 replica) and what the workers hold at once:
+per backend family the largest probe one worker runs (its inputs, the layout's buffers, outputs and gradients,
+the comparison's chunks and the path's own working memory, `Backend.memory`: a path that materialises the
+scores grows with seq x seq_kv; the local baseline always runs, and always does). Families run concurrently,
+so their peaks add up, but depth stacks run one family at a time. On a GPU the parent and the workers share
+the one device, on the CPU the machine's RAM.
 It is an estimate of the large allocations, not of the allocator's slack: it refuses what cannot fit, so
 that a request too large fails in a second with a reason instead of after minutes, blaming a kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,7 +156,7 @@ def _with_seq(coords: Coords, seq: int) -> Coords:
     """The same probe on a case whose sequence is `seq` (the key/value length scaled with it)."""
     case = coords.case
     seq_kv = seq if case.seq_k == case.seq else max(1, round(case.seq_k * seq / case.seq))
-    return coords.replace(case=case.__class__(**{**case.__dict__, "seq": seq, "seq_kv": seq_kv}))
+    return coords.replace(case=dataclasses.replace(case, seq=seq, seq_kv=seq_kv))
 
 
 def largest_seq(coords_list: list[Coords], device: str, workers_per_family: int, available: int) -> int:

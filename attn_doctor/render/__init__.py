@@ -1,0 +1,1 @@
+"""Rendering, and nothing else: terminal tables, markdown, html, csv, the depth plot, progress on a terminal."""
