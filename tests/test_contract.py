@@ -197,7 +197,7 @@ def test_sweep_and_bisect_output_fit_80_columns():
     assert "fails at seq 101, passes at 100" in text
 
 
-def test_cli_at_80_columns_in_a_pipe_keeps_every_verdict(tmp_path, monkeypatch, cli_runner):
+def test_cli_at_80_columns_in_a_pipe_keeps_every_verdict(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from attn_doctor.cli import cli

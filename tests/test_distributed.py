@@ -145,7 +145,7 @@ def test_fault_on_rank1_only_is_detected_and_attributed_to_rank1(tp2):
 
 
 def test_distributed_row_is_judged_against_the_plain_single_call_baseline(tp2):
-    """diagnosis.judge, as the CLI calls it, pairs the distributed row with the ordinary baseline row."""
+    """verdict.judge, as the run workflow calls it, pairs the distributed row with the ordinary baseline row."""
     import torch
 
     from attn_doctor.probes import Caches, run_probe
