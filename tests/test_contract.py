@@ -57,6 +57,7 @@ BAD = {
     "sweep-tp-that-cannot-split": (["sweep", *TINY, "--tp", "3", "--backend", "sdpa.math"], "TP=3"),
     "run-window-kernel-only": (["run", *TINY, "--mask", "none", "--window", "2,2", "--kernel", f"{FAULTY}:correct_fp32"],
                                "nothing was tested"),
+    "kernel-named-like-the-baseline": (["run", *TINY, "--kernel", f"local={FAULTY}:correct_fp32"], "is taken"),
     "run-nproc-contradicts-tp": (["run", *TINY, "--nproc", "3", "--tp", "2"], "must equal"),
     "run-nproc-without-tp-cp": (["run", *TINY, "--nproc", "2"], "must equal"),
     "run-cp-without-nproc": (["run", *TINY, "--cp", "2"], "add --nproc 2"),

@@ -59,7 +59,7 @@ def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, .
                 raise BadInput(f"unknown backend {name!r}; choose from {', '.join(known)} (or {families}), "
                                "or pass your own with --kernel")
     chosen = list({spec.name: spec for spec in chosen}.values())
-    taken = [spec.name for spec in chosen]
+    taken = [spec.name for spec in chosen] + [BASELINE.name]  # the baseline runs whatever was chosen
     for spec in kernel_specs:
         if spec.name in taken:
             raise BadInput(f"--kernel name {spec.name!r} is taken; give it another with NAME=TARGET:FUNC")
