@@ -108,3 +108,15 @@ def test_an_interrupted_sweep_reports_what_a_finished_one_does(tmp_path, run_cli
     assert b["summary"] == a["summary"] and "dQ error grows with depth" in a["summary"]
     assert b["faulty"] == a["faulty"] and b["results"] == a["results"] and b["requested"] == a["requested"]
     assert b["command"] == a["command"] and b["env"]["torch"] == a["env"]["torch"]
+
+
+def test_a_kernel_module_that_fails_to_import_is_the_kernels_error(tmp_path, monkeypatch, run_cli):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_module.py").write_text(
+        'raise ImportError("the kernel module is broken")\n\ndef attn(q, k, v, *, causal, softmax_scale):\n    return q\n')
+    result = run_cli(["run", "--batch", "1", "--seq", "16", "--heads", "2", "--head-dim", "8", "--device", "cpu",
+                      "--layout", "contiguous", "--kernel", "broken_module.py:attn", "--json", "r.json"])
+    assert result.exit_code == 1, result.output
+    row = next(r for r in json.loads((tmp_path / "r.json").read_text())["results"] if r["backend"] == "attn")
+    assert row["verdict"] == "ERROR" and row["reason"] == "ImportError: the kernel module is broken"
+    assert "internal" not in row

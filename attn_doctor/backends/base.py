@@ -15,14 +15,14 @@ In the parent process (class methods; no worker is started, nothing heavy is imp
 In a worker process (an instance per spec, built after `prepare_process()` ran first in that process):
   `forward()`          required: out for q, k, v in `qkv_format`, possibly non-contiguous views
   `ran()`              what really ran for the last forward, read back from the library's own state
-  `unsupported()`      why it cannot run a case, known only once the library is loaded
   `attend_at()`        queries at given global positions against full keys: context parallelism done by
                        attn-doctor (each rank attends its sequence chunks)
   `run_parallel()`     a library that does tensor/context parallelism itself (`own_parallelism`: TE) runs
                        a rank's shard here
 
-A backend refuses a case by raising `Unsupported` (a SKIP row with its reason); anything else it raises is
-the kernel's error (an ERROR row), never attn-doctor's.
+A backend refuses a case by raising `Unsupported` (a SKIP row with its reason), from its constructor or its
+forward, when it can only tell once its library is loaded; anything else it raises is the kernel's error (an
+ERROR row), never attn-doctor's.
 """
 
 from __future__ import annotations
@@ -116,9 +116,6 @@ class Backend(ABC):
     @property
     def name(self) -> str:
         return self.spec.name
-
-    def unsupported(self, case: Case, device: torch.device) -> str | None:
-        return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor: ...

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from attn_doctor.backends.base import Backend, BackendSpec, PathMemory
-from attn_doctor.core.case import Case
+from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.numerics.reference import allowed_mask
 
 MEGATRON_MASK_FILL = -10000.0
@@ -74,8 +74,7 @@ class LocalAttention(Backend):
     def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:
         # Input-dtype scores, an fp32 copy, the masked fill and the fp32 softmax, whose output is kept with
         # the input-dtype probabilities for the backward.
-        scores = case.batch * case.heads * case.seq * case.seq_k
-        item = 4 if case.dtype == "fp32" else 2
+        scores, item = case.score_elements, DTYPE_BYTES[case.dtype]
         return PathMemory(saved=scores * (4 + item), transient=scores * (item + 4 + 4))
 
     @classmethod

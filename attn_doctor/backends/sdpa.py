@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, Unsupported
-from attn_doctor.core.case import Case
+from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.numerics.reference import allowed_mask
 
 KERNELS = {
@@ -95,8 +95,7 @@ class SdpaKernel(Backend):
         if spec.options["kernel"] != "math":
             return PathMemory()
         # The composite path: scores, softmax and its output in the input dtype, probabilities kept.
-        scores = case.batch * case.heads * case.seq * case.seq_k
-        item = 4 if case.dtype == "fp32" else 2
+        scores, item = case.score_elements, DTYPE_BYTES[case.dtype]
         return PathMemory(saved=2 * scores * item, transient=3 * scores * 4)
 
     @classmethod

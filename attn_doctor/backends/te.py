@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, Unsupported
-from attn_doctor.core.case import Case
+from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.machine.te_probe import te_installed
 
 FLAGS = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}
@@ -175,8 +175,7 @@ class TEAttention(Backend):
         if spec.options["path"] != "unfused":
             return PathMemory()
         # UnfusedDotProductAttention: input-dtype scores, softmax in fp32, probabilities kept for backward.
-        scores = case.batch * case.heads * case.seq * case.seq_k
-        item = 4 if case.dtype == "fp32" else 2
+        scores, item = case.score_elements, DTYPE_BYTES[case.dtype]
         return PathMemory(saved=scores * (4 + item), transient=scores * (4 + 4 + item))
 
     @classmethod
@@ -213,11 +212,6 @@ class TEAttention(Backend):
         self._modules: dict[tuple, torch.nn.Module] = {}
         self._cp_stream: torch.cuda.Stream | None = None
         self._last = ""
-
-    def unsupported(self, case: Case, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return "TE attention needs a CUDA GPU"
-        return None
 
     def _module(self, case: Case, **parallel) -> torch.nn.Module:
         # A new module per setting: TE reads some settings (e.g. determinism) only at construction.

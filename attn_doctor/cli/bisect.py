@@ -35,8 +35,6 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
     standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
     from attn_doctor.machine.devices import check_device_name
 
-    if repeats < 1:
-        raise BadInput("--repeats takes a whole number >= 1")
     check_device_name(device)
     if from_results is not None:
         given = [name.replace("_", "-") for name, value in case_flags.items() if value is not None]
@@ -69,9 +67,7 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
     check_writable(directory, "--out", directory=True)
     if json_path is not None:
         check_writable(json_path, "--json")
-    request = BisectRequest(start, device, directory, repeats, timeout, app.command_line())
-    request.check()
-    request.device = resolve_device(device)
+    request = BisectRequest(start, resolve_device(device), directory, repeats, timeout, app.command_line())
     console = app.console
     try:
         report = bisect_workflow(request, app.progress())

@@ -6,7 +6,6 @@ without loading torch.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -103,11 +102,6 @@ def backend_options(fn: Callable) -> Callable:
         click.option("--timeout", type=POSITIVE_SECONDS, default=300.0, show_default=True,
                      help="Seconds one probe may take before its worker is killed (ERROR row)."),
     ])
-
-
-def output_option(name: str, dest: str, what: str, directory: bool = False) -> Callable:
-    kind = click.Path(file_okay=not directory, dir_okay=directory, path_type=Path)
-    return click.option(name, dest, type=kind, help=what)
 
 
 def build_case(options: dict[str, Any]) -> Case:

@@ -44,10 +44,9 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     specs = select(backends, kernels)
     out_path = json_path or app.new_run_dir("run") / "results.json"
     check_writable(out_path, "--json")
-    request = RunRequest(case, specs, list(layouts or LAYOUTS), device, app.command_line(), timeout, tp=tp_degree,
-                         cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc, layouts_given=bool(layouts))
-    request.check()
-    request.device = resolve_device(device)
+    request = RunRequest(case, specs, list(layouts or LAYOUTS), resolve_device(device), app.command_line(), timeout,
+                         tp=tp_degree, cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc,
+                         layouts_given=bool(layouts))
     title = f"{case.short()} on {request.device}"
     try:
         report = run_workflow(request, app.progress())

@@ -43,10 +43,9 @@ def sweep(app: Application, backends, kernels, layouts, device, timeout, resume,
     specs = select(backends, kernels)
     directory = resume or out_dir or app.new_run_dir("sweep")
     check_writable(directory, "--resume" if resume else "--out", directory=True)
-    request = sweeping.SweepRequest(cases, specs, list(layouts or LAYOUTS), device, directory, resume=resume is not None,
-                                    depths=depths, degrees=degrees, workers=workers, timeout_s=timeout,
-                                    command=app.command_line(), layouts_given=bool(layouts))
-    request.device = resolve_device(device)
+    request = sweeping.SweepRequest(cases, specs, list(layouts or LAYOUTS), resolve_device(device), directory,
+                                    resume=resume is not None, depths=depths, degrees=degrees, workers=workers,
+                                    timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts))
     plan = sweeping.prepare(request)
     if len(plan.todo) < len(plan.points):
         app.console.print(f"resuming {directory}: {len(plan.points) - len(plan.todo)} of {len(plan.points)} points "

@@ -11,6 +11,7 @@ from typing import Any
 from attn_doctor.core.errors import BadInput
 
 DTYPES = ("bf16", "fp16", "fp32")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MASKS = ("causal", "none")
 
 
@@ -41,6 +42,11 @@ class Case:
     @property
     def causal(self) -> bool:
         return self.mask == "causal"
+
+    @property
+    def score_elements(self) -> int:
+        """How many (query, key) scores one attention call has: what a path that materialises them holds."""
+        return self.batch * self.heads * self.seq * self.seq_k
 
     @property
     def softmax_scale(self) -> float:

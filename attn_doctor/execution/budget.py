@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attn_doctor import backends
-from attn_doctor.core.case import Case, tp_shard
+from attn_doctor.core.case import DTYPE_BYTES, Case, tp_shard
 from attn_doctor.core.coords import Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
 from attn_doctor.numerics.metrics import CHUNK_ELEMENTS
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 GIB = 1 << 30
 
 
@@ -41,7 +40,7 @@ def _elements(case: Case) -> tuple[int, int]:
 
 def _call_bytes(coords: Coords, case: Case) -> tuple[int, int]:
     """(tensors, path): one call's inputs, layout buffers, outputs, gradients and comparison; the path's own."""
-    item = ITEMSIZE[case.dtype]
+    item = DTYPE_BYTES[case.dtype]
     q, kv = _elements(case)
     views = 2 if coords.layout == "head_slice" else 1  # the head_slice layout's wider buffers
     tensors = (2 * q + 2 * kv) * item * 3 + (q + 2 * kv) * item * (views - 1) + min(max(q, kv), CHUNK_ELEMENTS) * 8 * 5
@@ -67,7 +66,7 @@ def probe_need(coords: Coords) -> tuple[int, int]:
     if coords.kind is ProbeKind.TP:
         return tensors * 2, path  # the unsharded run is kept while the shards run
     if coords.kind is ProbeKind.DEPTH:
-        item = ITEMSIZE[case.dtype]
+        item = DTYPE_BYTES[case.dtype]
         saved = backends.memory(coords.backend, tp_shard(case, coords.tp)).saved * coords.tp
         local = backends.memory(backends.BASELINE, case).saved
         # The baseline's stack ran first in this worker; its per-layer dQ stays while the backend's runs.

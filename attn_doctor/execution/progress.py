@@ -10,10 +10,8 @@ class ProgressSink:
         """A new stage of `total` steps (probes, points, bisect probes) starts."""
 
     def advance(self, steps: int = 1, what: str | None = None) -> None:
-        """`steps` more are done; `what` describes the last one."""
-
-    def add(self, steps: int) -> None:
-        """The stage turned out to have `steps` more than announced (a bisect finds its length as it goes)."""
+        """`steps` more are done (more than announced stretches the total: a bisect's is an estimate); `what`
+        describes the last one."""
 
     def note(self, text: str) -> None:
         """Progress inside a step (a depth stack's layers, the float64 replica)."""

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
 
     from attn_doctor.backends import Unsupported, build
     from attn_doctor.core.coords import Coords
-    from attn_doctor.core.errors import KernelError, first_line, is_cuda_fault
+    from attn_doctor.core.errors import KernelError, first_line, is_cuda_fault, kernel_code
     from attn_doctor.execution.shared_reference import open_tensors
     from attn_doctor.probes import Caches, run_probe
 
@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
             spec = coords.backend
             if spec.name not in backends:
                 try:
-                    backends[spec.name] = build(spec)
+                    with kernel_code(passthrough=(Unsupported,)):  # building a --kernel imports the user's module
+                        backends[spec.name] = build(spec)
                 except Unsupported as exc:
                     backends[spec.name] = exc
             backend = backends[spec.name]

@@ -20,9 +20,6 @@ def run_probe(backend: Backend, coords: Coords, caches: Caches, progress: Progre
     The kernel's own exceptions come out as KernelError; any other exception is attn-doctor's."""
     from attn_doctor.backends import Unsupported
 
-    why_not = backend.unsupported(coords.case, caches.device)
-    if why_not:
-        return ProbeOutcome("skip", reason=why_not)
     try:
         outcome = RUNNERS[coords.kind](backend, coords, caches, progress)
     except Unsupported as exc:

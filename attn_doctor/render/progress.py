@@ -33,11 +33,6 @@ class TerminalProgress(ProgressSink):
             self._progress.update(self._task, total=task.completed + steps)  # more than estimated: stretch
         self._progress.update(self._task, advance=steps, now=what or "")
 
-    def add(self, steps: int) -> None:
-        if self._task is not None:
-            task = self._progress.tasks[0]
-            self._progress.update(self._task, total=(task.total or 0) + steps)
-
     def note(self, text: str) -> None:
         if self._task is not None:
             self._progress.update(self._task, now=text[-60:])

@@ -82,8 +82,8 @@ def prepare(request: SweepRequest) -> SweepPlan:
     check_resumable(request.directory, done_rows, points, request.specs)
     todo = [p for p in points if p.id not in done_points]
     plan = SweepPlan(request, log, points, todo, done_rows)
-    coords = runnable([c for p in points for c in p.coords(request.specs)], request.specs, request.device)
-    check_fits([c for p in todo for c in p.coords(request.specs) if c in set(coords)], request.device, plan.workers)
+    can_run = set(runnable([c for p in points for c in p.coords(request.specs)], request.specs, request.device))
+    check_fits([c for p in todo for c in p.coords(request.specs) if c in can_run], request.device, plan.workers)
     return plan
 
 
