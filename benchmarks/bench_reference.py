@@ -10,6 +10,10 @@ forward; dP, dV, dQ, dK backward).
     python benchmarks/bench_reference.py --device cuda --seqs 1024,4096,8192,16384,32768,65536,131072
     python benchmarks/bench_reference.py --device cpu --seqs 256,1024,2048 --heads 4
     python benchmarks/bench_reference.py --seqs 131072 --budgets-gib 1,4.5   # tile budgets side by side
+    python benchmarks/bench_reference.py --seqs 8192,32768 --without-terms   # the term magnitudes' cost
+
+FLOP/s count the six matmuls only, also for rows with the term magnitudes (issue 15), which add one matmul
+and a few element-wise passes per tile: their cost shows as a lower rate.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ def main() -> None:
     parser.add_argument("--matmul-n", type=int, default=8192)
     parser.add_argument("--budgets-gib", default="", help="comma list of score-tile budgets to compare "
                         "(default: the reference's own)")
+    parser.add_argument("--without-terms", action="store_true",
+                        help="also time each reference without the term magnitudes (with_terms=False)")
     args = parser.parse_args()
     device = args.device
     fp64 = matmul_rate(device, torch.float64, args.matmul_n)
@@ -105,6 +111,9 @@ def main() -> None:
             label = f"tiled {plan.rows}x{plan.cols}{' kept' if plan.keep else ''}"
             impls.append((label + (f" ({budget:g} GiB)" if budget is not None else ""),
                           attention_reference if budget is None else tiled(budget)))
+            if args.without_terms:
+                fn = impls[-1][1]
+                impls.append((impls[-1][0] + " without terms", lambda *a, fn=fn, **kw: fn(*a, **kw, with_terms=False)))
         for name, fn in impls + [("naive", naive_reference)]:
             if name == "naive" and seq > args.naive_max:
                 continue

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from attn_doctor.bisect.engine import Bisector, NothingToBisect, Outcome, valid_config
+from attn_doctor.backends.kernel import parse_kernel_spec
+from attn_doctor.bisect.engine import Bisector, NothingToBisect, Outcome, TensorFailure, valid_config
 from attn_doctor.bisect.knobs import coords_at
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.case import Case, make_case
@@ -60,6 +61,46 @@ def four_conditions(config: Coords) -> bool:
 
 BIG_START = coords_at(make_case(batch=4, seq=1024, heads=8, kv_heads=2, head_dim=64, dtype="bf16", mask="causal"),
                    "head_slice")
+
+
+def _failing(tensors: dict[str, tuple[str, float]]) -> Outcome:
+    """A FAIL whose tensors fail as given: name -> (kind, error)."""
+    return Outcome("FAIL", "", tuple(tensors), failures={
+        name: TensorFailure(kind, 10.0, error) for name, (kind, error) in tensors.items()})
+
+
+def test_a_step_that_fails_differently_counts_as_passing():
+    """The start fails on dq by 5%; below seq 64 a different failure (out, or dq far smaller, or a bias)
+    shows up. The bisect keeps seq 64, the real boundary of the start's failure."""
+    def probe(config: Coords) -> Outcome:
+        seq = config.case.seq
+        if seq >= 64:
+            return _failing({"dq": ("error", 0.05)})
+        if seq >= 16:
+            return _failing({"dq": ("error", 0.0004)})  # two orders of magnitude smaller: not the same fault
+        if seq >= 4:
+            return _failing({"out": ("error", 0.05), "dq": ("error", 0.05)})  # now the forward fails too
+        return _failing({"dq": ("bias", 0.05)})
+
+    start = coords_at(make_case(batch=1, seq=256, heads=1, head_dim=8, dtype="fp32", mask="none"), "contiguous")
+    engine = Bisector(probe, valid=valid_config)
+    result = engine.run(start)
+    assert result.minimal.case.seq == 64
+    failing, passing = _necessary(result)["seq"]
+    assert failing == 64 and passing.startswith("63 (fails differently: dq's error is 0.0004")
+    different = [step for step in result.steps if step.verdict == "FAIL" and not step.fails]
+    assert different and all("fails differently" in step.note for step in different)
+
+
+def test_same_failure_allows_an_order_of_magnitude_and_any_dtype():
+    start = _failing({"dq": ("error", 0.05)})
+    assert _failing({"dq": ("error", 0.02), "dk": ("error", 0.3)}).differs_from(start) is None
+    assert "error" in _failing({"dq": ("error", 0.004)}).differs_from(start)
+    assert "forward" in _failing({"out": ("error", 0.05), "dq": ("error", 0.05)}).differs_from(start)
+    assert "passes" in _failing({"dk": ("error", 0.05)}).differs_from(start)
+    assert "bias" in _failing({"dq": ("bias", 0.05)}).differs_from(start)
+    cancelled = Outcome("FAIL", "", ("dq",), failures={"dq": TensorFailure("error", 10.0, 0.05, cancelled=True)})
+    assert "degenerate" in cancelled.differs_from(start)
 
 
 def test_engine_finds_exactly_the_conditions_with_exact_integer_boundaries():
@@ -261,6 +302,10 @@ STARTS = {
                   "--layout", "head_slice"],
     "head_dim_gt_40": ["--batch", 1, "--seq", 32, "--heads", 2, "--kv-heads", 1, "--head-dim", 64, "--dtype", "bf16",
                        "--layout", "sbh3d_packed"],
+    # Correct with a flash kernel's rounding noise where dq cancels (seq 1, window 0,0), wrong past seq 256:
+    # the bisect must find 256, not a degenerate case where every kernel is noisy (issue 15).
+    "flash_dq_seq_ge_256": ["--batch", 2, "--seq", 320, "--heads", 4, "--head-dim", 16, "--dtype", "bf16",
+                            "--mask", "causal", "--layout", "transposed"],
 }
 
 # What each bisect must reach: the necessary conditions (knob -> failing, passing) and the minimal case.
@@ -272,6 +317,7 @@ EXPECTED = {
     "gqa_only": ({"kv_heads": (2, "4")}, {**PLAIN, "heads": 2, "kv_heads": 1}, "contiguous"),
     "fp16_only": ({"dtype": ("fp16", "fp32, bf16")}, {**PLAIN, "dtype": "fp16"}, "contiguous"),
     "head_dim_gt_40": ({"head_dim": (48, "40")}, {**PLAIN, "head_dim": 48}, "contiguous"),
+    "flash_dq_seq_ge_256": ({"seq": (256, "255")}, {**PLAIN, "seq": 256, "seq_kv": 256}, "contiguous"),
 }
 
 
@@ -377,11 +423,11 @@ def _run_script(script: Path, cwd: Path, env: dict, *args: str) -> subprocess.Co
 
 
 def _printed_rel_err(stdout: str, tensor: str) -> tuple[float, bool]:
-    """The repro's printed relative error of `tensor`, and whether the line is marked WRONG."""
+    """The repro's printed error of `tensor`, and whether the line is marked WRONG."""
     for line in stdout.splitlines():
         words = line.split()
         if words and words[0] == tensor:
-            return float(words[1]), words[-1] == "WRONG"
+            return float(words[1].rstrip("*")), "WRONG:" in words
     raise AssertionError(f"no {tensor} line in:\n{stdout}")
 
 
@@ -398,6 +444,26 @@ def test_repro_exits_1_for_the_faulty_kernel_without_attn_doctor(bisected, no_at
     _, dq_wrong = _printed_rel_err(proc.stdout, "dq")
     assert dq_wrong
     assert not any(_printed_rel_err(proc.stdout, t)[1] for t in ("out", "dk", "dv"))
+
+
+def test_repro_of_the_long_sequence_fault_exits_1(bisected, no_attn_doctor, tmp_path):
+    _, doc, _ = bisected("flash_dq_seq_ge_256")
+    assert "sdpa.math passes" in doc["diagnosis"]["minimal_case_checked"]
+    proc = _run_script(Path(doc["repro"]), tmp_path, no_attn_doctor)
+    assert proc.returncode == 1 and "STILL WRONG: dq" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_repro_of_a_cancelling_case_never_divides_by_zero(no_attn_doctor, tmp_path):
+    """One query and one key: the exact dq and dk are 0. The repro judges them against their terms' scale,
+    as the tool does, and a correct kernel exits 0."""
+    from attn_doctor.bisect.repro import write_repro
+
+    coords = coords_at(make_case(batch=1, seq=1, heads=1, head_dim=16, dtype="fp32", mask="none"),
+                       backend=parse_kernel_spec(f"{COND}:flash_dq_seq_ge_256"))
+    script = write_repro(tmp_path, coords, None, "test", "attn-doctor bisect")
+    proc = _run_script(script, tmp_path, no_attn_doctor)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "FIXED" in proc.stdout
 
 
 def test_repro_exits_0_once_the_kernel_is_fixed(bisected, no_attn_doctor, tmp_path):
@@ -430,7 +496,10 @@ spec.loader.exec_module(repro)  # defines everything; main() is behind __name__ 
 q, k, v, dout = repro.inputs()
 ref = repro.reference(q, k, v, dout)
 got = repro.run(repro.shards, repro.FORMAT, repro.LAYOUT, q, k, v, dout)
-print(json.dumps({name: repro.errors(x, r)[0] for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref)}))
+base = repro.run(lambda q, k, v, case: repro.megatron_local(q, k, v), "sbhd", "contiguous", q, k, v, dout)
+measured = {name: (repro.errors(x, r, terms), repro.errors(b, r, terms))
+            for name, x, b, (r, terms) in zip(("out", "dq", "dk", "dv"), got, base, ref)}
+print(json.dumps({name: {"rel": m["rel"], "ratio": repro.judge(m, b)[2]} for name, (m, b) in measured.items()}))
 '''
 
 
@@ -453,12 +522,14 @@ def test_repro_errors_match_the_tools_minimal_case(bisected, no_attn_doctor, run
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     script_errors = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert script_errors["dq"] == pytest.approx(tool_dq, rel=1e-6)
+    assert script_errors["dq"]["rel"] == pytest.approx(tool_dq, rel=1e-6)
     # out, dk and dv are right: their errors are fp32 rounding, which depends on every input value, so their
     # agreement shows the script rebuilt the same inputs (seed, views), not just the same 5% fault
     for name in ("out", "dk", "dv"):
         assert row["tensors"][name]["rel_err"] < 1e-5
-        assert script_errors[name] == pytest.approx(row["tensors"][name]["rel_err"], rel=1e-6), name
+        assert script_errors[name]["rel"] == pytest.approx(row["tensors"][name]["rel_err"], rel=1e-6), name
+    for name in ("out", "dq", "dk", "dv"):  # and the ratio to the same yardstick
+        assert script_errors[name]["ratio"] == pytest.approx(row["tensors"][name]["ratio"], rel=1e-6), name
     # and what the script prints (4 significant digits) is that number
     printed = _run_script(Path(doc["repro"]), tmp_path, no_attn_doctor)
     assert _printed_rel_err(printed.stdout, "dq")[0] == pytest.approx(tool_dq, rel=1e-3)

@@ -92,6 +92,10 @@ def match_format(spec: BackendSpec) -> str | None:
     return backend_class(spec).match_format
 
 
+def match_context(spec: BackendSpec) -> dict:
+    return backend_class(spec).match_context(spec)
+
+
 def prepare_process(family: str) -> dict:
     """Run a family's process preparation (first thing in a worker or rank process); facts it reports."""
     return REGISTRY[family].prepare_process()
@@ -99,4 +103,4 @@ def prepare_process(family: str) -> dict:
 
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "select", "build", "static_skip", "memory", "selector",
-           "repro_source", "match_format", "prepare_process"]
+           "repro_source", "match_format", "match_context", "prepare_process"]

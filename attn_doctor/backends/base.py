@@ -11,10 +11,14 @@ In the parent process (class methods; no worker is started, nothing heavy is imp
   `selector()`         the command-line option that picks a spec (`--backend NAME`, `--kernel SPEC`)
   `repro_source()`     the kernel part of the standalone repro script (see `attn_doctor.bisect.repro`)
   `match_format`       the qkv_format known-defect rules are matched with (None: the path is not TE's)
+  `match_context()`    how a spec runs beyond the machine's defaults, for those rules (TE's deterministic path:
+                       {"deterministic": True})
 
 In a worker process (an instance per spec, built after `prepare_process()` ran first in that process):
   `forward()`          required: out for q, k, v in `qkv_format`, possibly non-contiguous views
   `ran()`              what really ran for the last forward, read back from the library's own state
+  `facts()`            the same readback as structured facts for the row's extra (TE: whether deterministic
+                       mode was honoured); {} by default
   `attend_at()`        queries at given global positions against full keys: context parallelism done by
                        attn-doctor (each rank attends its sequence chunks)
   `run_parallel()`     a library that does tensor/context parallelism itself (`own_parallelism`: TE) runs
@@ -96,6 +100,12 @@ class Backend(ABC):
         return f"--backend {shlex.quote(spec.name)}"
 
     @classmethod
+    def match_context(cls, spec: BackendSpec) -> dict[str, Any]:
+        """Known-defect context fields (`attn_doctor.machine.known_bugs.MatchContext`) this spec sets
+        whatever the machine's environment says; {} when it runs as the environment has it."""
+        return {}
+
+    @classmethod
     @abstractmethod
     def repro_source(cls, spec: BackendSpec) -> str:
         """Python source defining FORMAT ("bshd" or "sbhd") and `kernel(q, k, v, case) -> out` for the
@@ -122,6 +132,11 @@ class Backend(ABC):
 
     def ran(self, out: torch.Tensor) -> str:
         return self.name
+
+    def facts(self) -> dict[str, Any]:
+        """What the library reported about the last forward beyond `ran`, as plain JSON values for the
+        row's extra; read back, never assumed from what was asked."""
+        return {}
 
     def attend_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   case: Case) -> torch.Tensor:

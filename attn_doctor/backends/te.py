@@ -6,6 +6,11 @@ set so TE re-runs its selection in this process (it caches the last choice per A
 What ran is read back from `_attention_backends` after the forward, never assumed from the flags, and
 the reasons TE gives for disabling a path come from its "DotProductAttention" logger at DEBUG level.
 
+`te.fused.det` is the fused path in TE's deterministic mode: TE reads NVTE_ALLOW_NONDETERMINISTIC_ALGO only
+in `DotProductAttention.__init__`, so that path builds its own modules with the variable at 0 (restored right
+after construction) and reads back whether TE honoured it: the module's `deterministic`, the `deterministic`
+of the AttentionParams TE selected the backend with, and that of the submodule that ran.
+
 TE is imported only inside worker and rank processes (`prepare_process`), before anything touches torch's
 cuDNN: a process that already used torch's cuDNN can fail to import TE (two cuDNN builds; see
 h200-device-facts.md). Under tensor and context parallelism TE does the splitting and the communication
@@ -14,10 +19,12 @@ itself (`run_parallel`): DotProductAttention with tp_group and cp_group.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Iterator
 
 import torch
 
@@ -26,6 +33,11 @@ from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.machine.te_probe import te_installed
 
 FLAGS = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}
+# Read in DotProductAttention.__init__ (every TE version since 1.x): 0 asks for deterministic algorithms.
+NONDETERMINISTIC_FLAG = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
+# The submodule of each backend family TE passes `deterministic` to (Unfused is deterministic by itself).
+KERNEL_MODULES = {"use_flash_attention": ("flash_attention", "FlashAttention"),
+                  "use_fused_attention": ("fused_attention", "FusedAttention")}
 # F16_max512_seqlen (0) and F16_arbitrary_seqlen (1); NVTE_FUSED_ATTN_BACKEND chose between them up to
 # TE 2.15 and only when both sequence lengths are <= 512. The max512 sub-backend was removed in 2.16 (#2949).
 FUSED_SUB_BACKENDS = {"0": "F16_max512_seqlen", "1": "F16_arbitrary_seqlen", "2": "FP8"}
@@ -43,7 +55,8 @@ def te_version() -> tuple[int, int] | None:
 
 def te_paths() -> list[tuple[str, dict]]:
     """(row name, options) of every TE kernel path the installed TE lets a user choose."""
-    paths = [("te.flash", {"path": "flash"}), ("te.fused", {"path": "fused"}), ("te.unfused", {"path": "unfused"})]
+    paths = [("te.flash", {"path": "flash"}), ("te.fused", {"path": "fused"}),
+             ("te.fused.det", {"path": "fused", "deterministic": True}), ("te.unfused", {"path": "unfused"})]
     installed = te_version()
     if installed is not None and installed <= LAST_TE_WITH_SUB_BACKEND_CHOICE:
         paths.insert(2, ("te.fused.max512", {"path": "fused", "sub_backend": "0"}))
@@ -111,6 +124,61 @@ def describe_state(state: dict) -> str:
     return "no backend"
 
 
+@contextlib.contextmanager
+def deterministic_mode(on: bool) -> Iterator[None]:
+    """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 while a DotProductAttention is built (TE reads it in __init__ only),
+    then the variable as it was, so that no other path of this process inherits it. Nothing when `on` is False."""
+    if not on:
+        yield
+        return
+    saved = os.environ.get(NONDETERMINISTIC_FLAG)
+    os.environ[NONDETERMINISTIC_FLAG] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(NONDETERMINISTIC_FLAG, None)
+        else:
+            os.environ[NONDETERMINISTIC_FLAG] = saved
+
+
+def _flag(obj: object) -> bool | None:
+    value = getattr(obj, "deterministic", None) if obj is not None else None
+    return value if isinstance(value, bool) else None
+
+
+def read_determinism(module: object, state: dict, requested: bool) -> dict[str, Any]:
+    """Whether TE ran the last forward of `module` in deterministic mode, read back from TE (never assumed
+    from the flag): DotProductAttention.deterministic (what __init__ read), the `deterministic` of the
+    AttentionParams TE selected the backend with (its determinism filter ran on it) and that of the backend
+    submodule that ran (what reaches the kernel). {} when neither asked for nor reported."""
+    facts: dict[str, Any] = {"module": _flag(module), "selection": _flag(state.get("attention_params"))}
+    for key, (attr, name) in KERNEL_MODULES.items():
+        if state.get(key):
+            facts["kernel"] = _flag(getattr(module, attr, None))
+            facts["kernel_module"] = name
+    if not requested and facts["module"] is not True:
+        return {}
+    checks = {"DotProductAttention.deterministic": facts["module"],
+              "the backend selection's AttentionParams.deterministic": facts["selection"]}
+    if "kernel" in facts:
+        checks[f"{facts['kernel_module']}.deterministic"] = facts["kernel"]
+    facts["requested"] = requested
+    facts["honoured"] = all(value is True for value in checks.values())
+    facts["not_honoured_by"] = [f"{name} is {'not reported' if value is None else value}"
+                                for name, value in checks.items() if value is not True]
+    return facts
+
+
+def describe_determinism(facts: dict[str, Any]) -> str:
+    """The part of a TE row's `ran` text that says whether deterministic mode was honoured."""
+    if not facts:
+        return ""
+    if facts["honoured"]:
+        return ", deterministic"
+    return ", deterministic requested, not honoured (" + "; ".join(facts["not_honoured_by"]) + ")"
+
+
 def dpa_arguments(case: Case) -> dict:
     """DotProductAttention's constructor arguments for a case (sbhd, no dropout), before any TP/CP ones."""
     return dict(
@@ -128,7 +196,7 @@ def dpa_arguments(case: Case) -> dict:
 REPRO_SOURCE = '''
 
 FORMAT = "sbhd"
-# Force TE's {path} backend the way TE's own tests do: only its flag on, selection cache invalidated.
+# Force TE's {path} backend the way TE's own tests do: only its flag on, selection cache invalidated.{determinism}
 os.environ.update({flags})
 {sub_backend}
 import transformer_engine.pytorch as te  # noqa: E402  (after the flags: TE reads NVTE_* at import and per call)
@@ -144,7 +212,9 @@ def kernel(q, k, v, case):
     out = module(q, k, v)
     state = dpa._attention_backends
     print("TE ran:", "FusedAttention sub-backend %s" % int(state["fused_attention_backend"])
-          if state["use_fused_attention"] else "FlashAttention" if state["use_flash_attention"] else "Unfused")
+          if state["use_fused_attention"] else "FlashAttention" if state["use_flash_attention"] else "Unfused",
+          "| deterministic: DotProductAttention %s, backend selection %s" % (
+              getattr(module, "deterministic", "?"), getattr(state["attention_params"], "deterministic", "?")))
     return out.view(q.shape[0], q.shape[1], case["heads"], case["head_dim"])
 '''
 
@@ -179,12 +249,20 @@ class TEAttention(Backend):
         return PathMemory(saved=scores * (4 + item), transient=scores * (4 + 4 + item))
 
     @classmethod
+    def match_context(cls, spec: BackendSpec) -> dict[str, Any]:
+        return {"deterministic": True} if spec.options.get("deterministic") else {}
+
+    @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:
         options = spec.options
         flags = {flag: "1" if path == options["path"] else "0" for path, flag in FLAGS.items()}
+        determinism = ""
+        if options.get("deterministic"):  # read when each DotProductAttention is built, as attn-doctor built its
+            flags[NONDETERMINISTIC_FLAG] = "0"
+            determinism = f"\n# Deterministic mode: {NONDETERMINISTIC_FLAG}=0 when DotProductAttention is built."
         sub = (f'os.environ["NVTE_FUSED_ATTN_BACKEND"] = "{options["sub_backend"]}"'
                if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)')
-        return REPRO_SOURCE.format(path=options["path"], flags=repr(flags), sub_backend=sub)
+        return REPRO_SOURCE.format(path=options["path"], flags=repr(flags), sub_backend=sub, determinism=determinism)
 
     @classmethod
     def prepare_process(cls) -> dict:
@@ -208,16 +286,19 @@ class TEAttention(Backend):
             raise Unsupported(f"transformer_engine not importable: {_import_error}")
         self.path = spec.options["path"]
         self.sub_backend = spec.options.get("sub_backend")
+        self.deterministic = bool(spec.options.get("deterministic", False))
         self._te = load_te()
         self._modules: dict[tuple, torch.nn.Module] = {}
         self._cp_stream: torch.cuda.Stream | None = None
         self._last = ""
+        self._determinism: dict[str, Any] = {}
 
     def _module(self, case: Case, **parallel) -> torch.nn.Module:
         # A new module per setting: TE reads some settings (e.g. determinism) only at construction.
         key = (case.heads, case.num_kv_heads, case.head_dim, case.mask, case.window, tuple(sorted(parallel)))
         if key not in self._modules:
-            self._modules[key] = self._te.te.DotProductAttention(**dpa_arguments(case), **parallel)
+            with deterministic_mode(self.deterministic):
+                self._modules[key] = self._te.te.DotProductAttention(**dpa_arguments(case), **parallel)
         return self._modules[key]
 
     def _force(self) -> None:
@@ -239,7 +320,8 @@ class TEAttention(Backend):
             if NO_BACKEND_MESSAGE not in str(exc):
                 raise
             raise Unsupported(self._disabled_reasons() or str(exc)) from None
-        self._last = describe_state(self._te.state)
+        self._determinism = read_determinism(module, self._te.state, self.deterministic)
+        self._last = describe_state(self._te.state) + describe_determinism(self._determinism)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
@@ -287,3 +369,6 @@ class TEAttention(Backend):
 
     def ran(self, out: torch.Tensor) -> str:
         return self._last
+
+    def facts(self) -> dict[str, Any]:
+        return {"deterministic": dict(self._determinism)} if self._determinism else {}

@@ -3,6 +3,7 @@ or backward, which layer), and a standalone repro is written. Callable without t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,13 +11,14 @@ from typing import Any
 
 from attn_doctor.backends import BASELINE
 from attn_doctor.bisect import knobs
-from attn_doctor.bisect.engine import Bisector, BisectResult, Outcome, Probe
-from attn_doctor.core.coords import Coords, ProbeKind
+from attn_doctor.backends import select
+from attn_doctor.bisect.engine import Bisector, BisectResult, Outcome, Probe, TensorFailure
+from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.execution.session import Session
 from attn_doctor.results.row import Row
-from attn_doctor.verdict.rule import MULTIPLE
+from attn_doctor.verdict.rule import FAIL, MULTIPLE, PASS, SKIP
 
 
 @dataclass
@@ -75,13 +77,50 @@ def probe_row(session: Session, coords: Coords) -> Row:
     return session.run([coords] if coords == baseline else [baseline, coords])[-1]
 
 
+def outcome_of(row: Row) -> Outcome:
+    """What the engine sees of a judged row: its verdict and how each failing tensor fails."""
+    failures = {}
+    for name, t in row.tensors.items():
+        if t.verdict == FAIL:
+            kind = "nonfinite" if t.nan or t.inf else "bias" if t.bias_failed else "error"
+            failures[name] = TensorFailure(kind, t.ratio, t.scaled_err, t.cancelled)
+    return Outcome(row.verdict, row.reason, tuple(row.failing_tensors), row.extra, internal=row.internal,
+                   failures=failures)
+
+
 def session_probe(session: Session, progress: ProgressSink) -> Probe:
     def probe(coords: Coords) -> Outcome:
         row = probe_row(session, coords)
         progress.advance(1, f"{coords.describe()}: {row.verdict}")
-        return Outcome(row.verdict, row.reason, tuple(row.failing_tensors), row.extra, internal=row.internal)
+        return outcome_of(row)
 
     return probe
+
+
+def control_spec(tested: BackendSpec) -> BackendSpec:
+    """A correct path to check a minimal case with: PyTorch's math SDPA kernel (its flash kernel when that
+    is the path under test)."""
+    name = "sdpa.flash" if tested.name == "sdpa.math" else "sdpa.math"
+    return next(spec for spec in select([name]) if spec.name == name)
+
+
+def confirm_minimal(session: Session, result: BisectResult) -> str:
+    """Check the minimal case on a correct path before it is reported. Where the correct path fails there
+    too, the failure is the case's, not the kernel's: the minimal case falls back to the last adopted
+    simplification (the start at worst) on which the correct path passes. Returns what was checked."""
+    control = control_spec(result.start.backend)
+    for config in reversed([result.start, *result.trail]):
+        if config.layers:
+            return f"not checked on {control.name} (a depth stack)"
+        row = probe_row(session, dataclasses.replace(config, backend=control))
+        if row.verdict in (PASS, SKIP):
+            checked = f"{control.name} {'passes' if row.verdict == PASS else 'cannot run'} on it"
+            if config != result.minimal:
+                result.minimal, result.minimal_outcome = config, result.outcome_at(config)
+                checked += (f"; a smaller case where {control.name} also fails was set aside (the failure there "
+                            "is the case's, not the kernel's)")
+            return checked
+    return f"{control.name} fails on every case tried, even the start: the failure may not be the kernel's"
 
 
 def planned_probes(start: Coords) -> int:
@@ -134,7 +173,9 @@ def bisect(request: BisectRequest, progress: ProgressSink | None = None) -> Bise
     with Session(request.device, request.timeout_s, progress=progress) as session:
         engine = Bisector(session_probe(session, progress), repeats=request.repeats, valid=knobs.valid)
         result = engine.run(start)
+        checked = confirm_minimal(session, result)
         diagnosis = diagnose(session, result)
+        diagnosis["minimal_case_checked"] = checked
         facts = session.facts
     progress.end()
     env = collect_env(te_facts=facts.get("te_facts"), probe_te=False)

@@ -2,9 +2,9 @@
 which values it may take. The engine (`engine.py`) knows only this table.
 
 Categorical knobs move to their plainest value (the layout to contiguous, the mask to none, GQA to plain
-heads, no window, self-attention, TP 1, one layer, the plainest dtype that still fails); integer knobs are
-binary-searched down to the smallest value that still fails. A value a case cannot take (heads not
-divisible by the TP degree, say) is never probed.
+heads, no window, self-attention, TP 1, one layer, the plainest dtype and input distribution that still
+fail); integer knobs are binary-searched down to the smallest value that still fails. A value a case cannot
+take (heads not divisible by the TP degree, say) is never probed.
 """
 
 from __future__ import annotations
@@ -81,6 +81,10 @@ def _set_seq(coords: Coords, seq: int) -> Coords:
     return _with_case(coords, seq=seq, **({"seq_kv": seq} if case.seq_k == case.seq else {}))
 
 
+# The input distributions from the plainest: a fault that still shows on Gaussian inputs reduces to them.
+INPUTS_PLAINEST_FIRST = ("normal", "uniform", "structured", "outliers", "large-logits")
+
+
 def _head_dims(coords: Coords) -> list[int]:
     current = coords.case.head_dim
     step = 8 if current % 8 == 0 else 1  # the fused kernels take head dims in multiples of 8
@@ -106,6 +110,9 @@ CATEGORICAL: tuple[Categorical, ...] = (
     Categorical("dtype", lambda c: c.case.dtype,  # plainest first
                 lambda c: [d for d in ("fp32", "fp16", "bf16") if d != c.case.dtype and d in DTYPES],
                 lambda c, v: _with_case(c, dtype=v)),
+    Categorical("inputs", lambda c: c.case.inputs,  # the plainer distributions, plainest first
+                lambda c: list(INPUTS_PLAINEST_FIRST[:INPUTS_PLAINEST_FIRST.index(c.case.inputs)]),
+                lambda c, v: _with_case(c, inputs=v)),
 )
 
 INTEGER: tuple[Integer, ...] = (

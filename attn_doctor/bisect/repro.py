@@ -14,7 +14,8 @@ from pathlib import Path
 
 from attn_doctor.core.coords import Coords
 from attn_doctor.machine.fingerprint import EnvReport
-from attn_doctor.verdict.rule import EPS, FLOOR_EPS, MULTIPLE
+from attn_doctor.numerics.reference import SCORE_PRECISION
+from attn_doctor.verdict.rule import BIAS_EPS, BIAS_Z, CANCELLED, EPS, MULTIPLE, NOISE_EPS
 
 HEADER = '''#!/usr/bin/env python3
 """Repro: {title}
@@ -23,8 +24,10 @@ Made by attn-doctor {version} ({command}).
 Environment it was made on:
 {env}
 Exit code: 1 while the kernel path is still wrong, 0 once it agrees with float64 as closely as
-Megatron's local attention (the same rule as attn-doctor: error <= {multiple:g} x baseline + floor, whole tensor
-and worst head; NaN/Inf fails).
+Megatron's local attention, by the same rule as attn-doctor: each tensor's error, measured against the
+scale of the terms it is summed from, may be at most {multiple:g} x the baseline's (never less than
+rounding noise), whole tensor and worst (batch, head) slice; a systematic error beyond rounding and
+NaN/Inf fail too.
 """
 import os
 import sys
@@ -37,21 +40,56 @@ LAYOUT = {layout!r}
 TP = {tp}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = {{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}}[CASE["dtype"]]
-MULTIPLE, FLOOR = {multiple!r}, {floor!r}
+EPS = {eps!r}
+MULTIPLE, NOISE = {multiple!r}, {noise!r} * EPS  # the yardstick is never below NOISE (rounding noise)
+BIAS_Z, BIAS_FLOOR = {bias_z!r}, {bias_eps!r} * EPS  # a systematic error FAILs beyond these
+CANCELLED = {cancelled!r}  # the exact tensor cancels where its norm is below this share of its terms'
+SCORE_PRECISION = {score_precision!r}  # fp32 scores' roundoff over the inputs'
 '''
 
 INPUTS = '''
 
-def draw(generator, *shape):
-    return torch.randn(shape, generator=generator, device=DEVICE, dtype=torch.float32).to(DTYPE)
-
-
 def inputs():
-    """Seeded q, k, v, dout in bshd, exactly as attn-doctor draws them."""
+    """Seeded q, k, v, dout in bshd, exactly as attn-doctor draws them: in fp32 from one generator, in this
+    order, then rounded to the dtype. q, k, v follow the case's distribution; dout is standard normal."""
     g = torch.Generator(device=DEVICE).manual_seed(CASE["seed"])
     b, s, skv, h, hkv, d = (CASE[k] for k in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim"))
-    q, k, v = draw(g, b, s, h, d), draw(g, b, skv, hkv, d), draw(g, b, skv, hkv, d)
-    return q, k, v, draw(g, b, s, h, d)
+    randn = lambda *shape: torch.randn(shape, generator=g, device=DEVICE, dtype=torch.float32)
+    kind = CASE.get("inputs", "normal")
+    if kind == "uniform":  # U(-sqrt 3, sqrt 3): unit variance, no tails
+        uniform = lambda *shape: torch.rand(shape, generator=g, device=DEVICE, dtype=torch.float32).mul_(2.0).sub_(
+            1.0).mul_(3 ** 0.5).to(DTYPE)
+        q, k, v = uniform(b, s, h, d), uniform(b, skv, hkv, d), uniform(b, skv, hkv, d)
+    elif kind == "structured":  # rank-4 q, k, v; every key of a head shares a mean vector (keys nearly equal)
+        rank = min(4, d)
+
+        def low_rank(n, heads):  # per token `rank` coefficients of a per-head basis
+            coefficients, basis = randn(b, n, heads, rank), randn(heads, rank, d)
+            x = coefficients[..., 0, None] * basis[:, 0]
+            for i in range(1, rank):
+                x.addcmul_(coefficients[..., i, None], basis[:, i])
+            return x.div_(rank ** 0.5)
+
+        q = low_rank(s, h).to(DTYPE)
+        k = low_rank(skv, hkv)
+        k = k.add_(randn(hkv, d).mul_(4.0)).to(DTYPE)
+        v = low_rank(skv, hkv).to(DTYPE)
+    else:  # normal; outliers: a few head-dim channels x20 in q, k, v; large-logits: q and k x4 (scores' std ~16)
+        q_scale = k_scale = v_scale = None
+        if kind == "outliers":
+            channels = torch.ones(d, device=DEVICE, dtype=torch.float32)
+            picked = torch.randperm(d, generator=torch.Generator().manual_seed(CASE["seed"]))[:max(1, d // 32)]
+            channels[sorted(picked.tolist())] = 20.0
+            q_scale = k_scale = v_scale = channels
+        elif kind == "large-logits":
+            q_scale = k_scale = 4.0
+
+        def draw(scale, *shape):
+            x = randn(*shape)
+            return (x if scale is None else x.mul_(scale)).to(DTYPE)
+
+        q, k, v = draw(q_scale, b, s, h, d), draw(k_scale, b, skv, hkv, d), draw(v_scale, b, skv, hkv, d)
+    return q, k, v, randn(b, s, h, d).to(DTYPE)
 
 
 def to_format(t, fmt):
@@ -104,16 +142,37 @@ def allowed(sq, sk):
 
 
 def reference(q, k, v, dout):
-    """Float64 out, dq, dk, dv (bshd) by the plain formula."""
+    """Float64 out, dq, dk, dv (bshd) by the plain formula, each with the squared size of the terms its rows
+    are summed from ([b, s, h]): out_i = sum_j P_ij v_j, dV_j = sum_i P_ij dO_i, dQ_i = c sum_j dS_ij k_j,
+    dK_j = c sum_i dS_ij q_i, with dS_ij = P_ij (dP_ij - D_i) sized P_ij (|dO_i * v_j| + |dO_i * out_i|)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     group = q.shape[2] // k.shape[2]
+    c = CASE["head_dim"] ** -0.5
     qh = q64.transpose(1, 2)
     kh, vh = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k64, v64))
-    scores = (qh @ kh.transpose(-1, -2)) * CASE["head_dim"] ** -0.5
+    scores = (qh @ kh.transpose(-1, -2)) * c
     scores = scores.masked_fill(~allowed(q.shape[1], k.shape[1]), float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
     out = (probs @ vh).transpose(1, 2)
-    return (out.detach(), *torch.autograd.grad(out, (q64, k64, v64), dout.double()))
+    grads = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    with torch.no_grad():
+        do_h = dout.double().transpose(1, 2)
+        a = (do_h.square() @ vh.square().transpose(-1, -2)).sqrt()  # |dO_i * v_j|
+        b = (do_h * out.transpose(1, 2)).square().sum(-1, keepdim=True).sqrt()  # |dO_i * out_i|
+        sizes = (probs * (a + b)) ** 2
+        # scores and log-sum-exp are fp32 in kernels: P's error grows with |lse| (g^2 per row)
+        lse = torch.logsumexp(scores, dim=-1)
+        g2 = (1 + 2 * SCORE_PRECISION * torch.where(torch.isfinite(lse), lse, 0.0).abs()) ** 2
+        sq = lambda t: t.square().sum(-1)
+        per_kv = lambda t: t.view(t.shape[0], k.shape[2], group, *t.shape[2:]).sum(2).transpose(1, 2)
+        mv = lambda m, w: (m @ w[..., None]).squeeze(-1)
+        both = lambda rows: torch.stack([rows, rows * g2], -1)  # as they are, and the noise's scale
+        summed = lambda m, w: torch.stack([mv(m, w), mv(m, w * g2)], -1)
+        terms = [both(mv(probs.square(), sq(vh))).transpose(1, 2),
+                 both(mv(sizes, sq(kh))).transpose(1, 2) * c * c,
+                 per_kv(summed(sizes.transpose(-1, -2), sq(qh))) * c * c,
+                 per_kv(summed(probs.square().transpose(-1, -2), sq(do_h)))]
+    return [(t.detach(), terms[i]) for i, t in enumerate((out, *grads))]
 
 
 def megatron_local(q, k, v):
@@ -147,16 +206,63 @@ def shards(q, k, v, case):
     return torch.cat(outs, dim=2)
 
 
-def errors(x, ref):
-    """Relative L2 error (finite entries), its worst (batch, head) slice, and NaN/Inf count."""
+def over(a, b):
+    """a / b, where b == 0 means: 0 if a is 0 too, else infinitely large."""
+    return a / b if b > 0 else (0.0 if a == 0 else float("inf"))
+
+
+def errors(x, ref, terms):
+    """A tensor measured as attn-doctor measures it (finite entries only): relative error; error over the
+    terms' scale (sqrt(|ref|^2 + terms)), whole and worst (batch, head) slice; how much the exact tensor
+    cancels; its systematic part (the error's projection on ref) with its z-score, whole and for the most
+    significant slice; NaN/Inf count."""
     x = x.double()
     finite = torch.isfinite(x) & torch.isfinite(ref)
     nonfinite = int((~torch.isfinite(x)).sum())
     diff = torch.where(finite, x - ref, 0.0)
     r = torch.where(finite, ref, 0.0)
-    rel = float(diff.norm() / r.norm())
-    worst = float((diff.square().sum((1, 3)) / r.square().sum((1, 3)).clamp_min(1e-300)).max().sqrt())
-    return rel, worst, nonfinite
+    head_diff, head_ref = diff.square().sum((1, 3)), r.square().sum((1, 3))
+    head_scale, head_noise = head_ref + terms[..., 0].sum(1), head_ref + terms[..., 1].sum(1)
+    err, ref_norm, scale = float(head_diff.sum()) ** 0.5, float(head_ref.sum()) ** 0.5, float(head_scale.sum()) ** 0.5
+    worst = max((over(float(e), float(s)) for e, s in zip(head_diff.flatten(), head_scale.flatten())), default=0.0)
+    proj = (diff * r).sum(3)  # one projection per row: rows' rounding errors are independent
+    head_proj, head_proj_sq = proj.sum(1), proj.square().sum(1)
+
+    def bias(p, p_sq, r_sq):
+        return (p / r_sq, p / p_sq ** 0.5) if r_sq > 0 and p_sq > 0 else (0.0, 0.0)
+
+    whole = bias(float(head_proj.sum()), float(head_proj_sq.sum()), float(head_ref.sum()))
+    heads = [bias(float(p), float(p2), float(r2)) for p, p2, r2 in
+             zip(head_proj.flatten(), head_proj_sq.flatten(), head_ref.flatten())]
+    head = max(heads, key=lambda bz: abs(bz[1]), default=(0.0, 0.0))
+    noise = over(float(head_noise.sum()), float(head_scale.sum())) ** 0.5 if scale > 0 else 1.0
+    head_noise = max((float(n / s) if s > 0 else 1.0 for n, s in zip(head_noise.flatten(), head_scale.flatten())),
+                     default=1.0) ** 0.5
+    return {"rel": over(err, ref_norm), "scaled": over(err, scale), "worst": worst ** 0.5,
+            "noise": noise, "head_noise": head_noise,
+            "cancellation": ref_norm / scale if scale > 0 else 1.0, "bias": whole, "head_bias": head,
+            "nonfinite": nonfinite}
+
+
+def judge(m, base):
+    """attn-doctor's rule: (failed, shown error, ratio to the yardstick, why)."""
+    yardstick, head_yardstick = max(base["scaled"], NOISE * m["noise"]), max(base["worst"], NOISE * m["head_noise"])
+    ratio = over(m["scaled"], yardstick)
+    cancelled = m["cancellation"] < CANCELLED
+    shown = m["scaled"] if cancelled else m["rel"]
+    if m["nonfinite"]:
+        return True, shown, ratio, "NaN/Inf"
+    if ratio > MULTIPLE:
+        return True, shown, ratio, "error above the yardstick"
+    if over(m["worst"], head_yardstick) > MULTIPLE:
+        return True, shown, ratio, "worst head's error above the yardstick"
+    if not cancelled:
+        limit_whole = max(BIAS_FLOOR, MULTIPLE * abs(base["bias"][0]))
+        limit_head = max(BIAS_FLOOR, MULTIPLE * max(abs(base["bias"][0]), abs(base["head_bias"][0])))
+        for (b, z), limit in ((m["bias"], limit_whole), (m["head_bias"], limit_head)):
+            if abs(z) >= BIAS_Z and abs(b) >= limit:
+                return True, shown, ratio, f"systematic error: {1 + b:.4f}x the exact values (z = {z:.0f})"
+    return False, shown, ratio, ""
 
 
 def run(backend, fmt, layout, q, k, v, dout):
@@ -172,13 +278,13 @@ def main():
     got = run(shards, FORMAT, LAYOUT if TP == 1 else "contiguous", q, k, v, dout)
     base = run(lambda q, k, v, case: megatron_local(q, k, v), "sbhd", "contiguous", q, k, v, dout)
     wrong = []
-    print(f"{'tensor':6} {'rel err':>10} {'baseline':>10} {'ratio':>7} {'worst head':>11} {'NaN/Inf':>8}")
-    for name, x, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref):
-        rel, worst, bad = errors(x, r)
-        base_rel, base_worst, _ = errors(b, r)
-        failed = bad > 0 or rel > MULTIPLE * base_rel + FLOOR or worst > MULTIPLE * base_worst + FLOOR
-        print(f"{name:6} {rel:10.3e} {base_rel:10.3e} {rel / base_rel:7.2f} {worst:11.3e} {bad:8d}"
-              f"{'  WRONG' if failed else ''}")
+    print(f"{'tensor':6} {'err':>10}  {'ratio':>10}  (err: relative to float64; * against the terms' scale,"
+          " where the exact tensor cancels; ratio: to the local baseline's error, or to rounding noise)")
+    for name, x, b, (r, terms) in zip(("out", "dq", "dk", "dv"), got, base, ref):
+        measured = errors(x, r, terms)
+        failed, shown, ratio, why = judge(measured, errors(b, r, terms))
+        star = "*" if measured["cancellation"] < CANCELLED else " "
+        print(f"{name:6} {shown:10.3e}{star} {ratio:9.2f}x" + (f"  WRONG: {why}" if failed else ""))
         if failed:
             wrong.append(name)
     print("STILL WRONG: " + ", ".join(wrong) if wrong else "FIXED: every tensor agrees with float64", flush=True)
@@ -214,11 +320,12 @@ def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version:
         raise ValueError("a depth failure is reproduced by attn-doctor sweep; the standalone repro covers one call")
     backend = coords.backend.name
     case = coords.case.to_dict()
-    multiple = max(MULTIPLE.values())
-    floor = FLOOR_EPS[coords.case.dtype] * EPS[coords.case.dtype]
+    dtype = coords.case.dtype
     text = HEADER.format(title=f"{backend} on {coords.describe()}", version=version, command=command.replace('"', "'"),
-                         env=_env_lines(env), multiple=multiple, case=repr(case),
-                         layout=coords.layout, tp=coords.tp, floor=floor)
+                         env=_env_lines(env), multiple=max(MULTIPLE.values()), case=repr(case),
+                         layout=coords.layout, tp=coords.tp, eps=EPS[dtype], noise=NOISE_EPS[dtype],
+                         bias_z=BIAS_Z, bias_eps=BIAS_EPS[dtype], cancelled=CANCELLED,
+                         score_precision=SCORE_PRECISION[dtype])
     text += INPUTS + repro_source(coords.backend) + MAIN
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in backend)
     path = Path(directory) / f"repro_{safe}_{short_id(coords)}.py"

@@ -42,6 +42,9 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
             raise BadInput("--from starts from a row of the results, with its case, backend and layout; drop "
                            f"{', '.join('--' + g for g in given) or 'the case and backend options'}")
     case = build_case(case_flags) if from_results is None else None
+    if case is not None and layers and case.inputs != "normal":
+        raise BadInput("--inputs does not apply to depth stacks (--layers): each layer's q, k, v come from the "
+                       "stack's seeded weights; drop --inputs or --layers")
     from attn_doctor.backends import select
     from attn_doctor.bisect import knobs
     from attn_doctor.bisect.driver import BisectRequest, start_from_results

@@ -13,17 +13,21 @@ if TYPE_CHECKING:
 
 def known_defects(report: RunReport) -> list[str]:
     """Descriptions of the known defects that match the report's machine and cases (each case matched with
-    the qkv formats of the paths that ran it, as the rules are written for)."""
-    from attn_doctor.backends import match_format
+    the qkv formats of the paths that ran it, as the rules are written for, and the context a path sets
+    itself: TE's deterministic path is matched as deterministic whatever the environment says)."""
+    from attn_doctor.backends import match_context, match_format
     from attn_doctor.machine.known_bugs import case_descriptions
 
     if report.env is None:
         return []
     cases: dict[tuple, tuple] = {}
     for row in report.rows:
-        case, formats = cases.setdefault(row.case.key(), (row.case, set()))
-        formats.add(match_format(row.coords.backend))
-    return case_descriptions(report.env, [(case, sorted(formats, key=str)) for case, formats in cases.values()])
+        _, contexts = cases.setdefault(row.case.key(), (row.case, set()))
+        spec = row.coords.backend
+        contexts.add((match_format(spec), tuple(sorted(match_context(spec).items()))))
+    return case_descriptions(report.env, [
+        (case, [{"qkv_format": fmt, **dict(extra)} if extra else fmt for fmt, extra in sorted(contexts, key=str)])
+        for case, contexts in cases.values()])
 
 
 def machine_defects(env: EnvReport) -> list[str]:

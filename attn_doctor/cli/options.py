@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import click
 
-from attn_doctor.core.case import DTYPES, MASKS, Case, make_case
+from attn_doctor.core.case import DTYPES, INPUTS, MASKS, Case, make_case
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import LAYOUTS
 
@@ -66,6 +66,8 @@ def case_options(fn: Callable) -> Callable:
         click.option("--mask", type=click.Choice(MASKS), help="Attention mask [causal]."),
         click.option("--window", help="Sliding window LEFT,RIGHT (-1 = unbounded) [none]."),
         click.option("--seed", type=int, help="Seed of q, k, v and the output gradient [1234]."),
+        click.option("--inputs", type=click.Choice(INPUTS),
+                     help="Distribution of q, k, v (the output gradient stays normal) [normal]."),
     ])
 
 
@@ -83,6 +85,7 @@ def grid_options(fn: Callable) -> Callable:
         click.option("--mask", help=f"Masks among {', '.join(MASKS)}."),
         click.option("--window", "windows", multiple=True, help="A sliding window LEFT,RIGHT (repeat for a grid)."),
         click.option("--seed", help="Seeds."),
+        click.option("--inputs", help=f"Distributions of q, k, v among {', '.join(INPUTS)}."),
         click.option("--layers", help="Depths of the GPT stack, e.g. 24,128 (checks dQ through L layers)."),
         click.option("--tp", help="Tensor-parallel degrees, e.g. 1,2,4 (heads split into shards)."),
     ])
@@ -104,6 +107,15 @@ def backend_options(fn: Callable) -> Callable:
     ])
 
 
+def repeats_option(fn: Callable) -> Callable:
+    """`--repeats N` of run and sweep (bisect has its own: any failing run counts). Not a recipe key: like
+    --timeout it says how to run a case, not which case."""
+    return click.option(
+        "--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+        help="Run each single call N times on the same inputs: whether the repeats are bitwise identical, their "
+             "spread, and the verdict on the worst repeat (not with --tp, --layers or --nproc).")(fn)
+
+
 def build_case(options: dict[str, Any]) -> Case:
     """The case from --recipe overridden by explicit flags; validated."""
     from attn_doctor.core.recipes import load_recipe
@@ -111,7 +123,7 @@ def build_case(options: dict[str, Any]) -> Case:
     fields: dict[str, Any] = {}
     if options.get("recipe"):
         fields.update(load_recipe(options["recipe"]).case)
-    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed"):
+    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed", "inputs"):
         if options.get(name) is not None:
             fields[name] = options[name]
     if options.get("window") is not None:
@@ -137,7 +149,7 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
     for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "seed"):
         if options.get(name) is not None:
             grid[name] = int_list(options[name], name.replace("_", "-"))
-    for name, allowed in (("dtype", DTYPES), ("mask", MASKS)):
+    for name, allowed in (("dtype", DTYPES), ("mask", MASKS), ("inputs", INPUTS)):
         if options.get(name) is not None:
             grid[name] = choices(options[name], allowed, name)
     if options.get("windows"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application, Interrupted
-from attn_doctor.cli.options import backend_options, build_case, case_options
+from attn_doctor.cli.options import backend_options, build_case, case_options, repeats_option
 from attn_doctor.core.coords import CP_COMM_TYPES
 from attn_doctor.core.layouts import LAYOUTS
 
@@ -27,9 +27,11 @@ from attn_doctor.core.layouts import LAYOUTS
               help="With --nproc: context-parallel ranks.")
 @click.option("--cp-comm-type", type=click.Choice(CP_COMM_TYPES), default="p2p", show_default=True,
               help="With --cp: how the sequence chunks are exchanged.")
+@repeats_option
 @click.pass_obj
 def run(app: Application, json_path: Path | None, profile: bool, wide: bool, nproc: int | None, tp_degree: int,
-        cp_degree: int, cp_comm_type: str, backends, kernels, layouts, device, timeout, **case_flags) -> int:
+        cp_degree: int, cp_comm_type: str, repeats: int, backends, kernels, layouts, device, timeout,
+        **case_flags) -> int:
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.machine.devices import check_device_name
 
@@ -46,7 +48,7 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     check_writable(out_path, "--json")
     request = RunRequest(case, specs, list(layouts or LAYOUTS), resolve_device(device), app.command_line(), timeout,
                          tp=tp_degree, cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc,
-                         layouts_given=bool(layouts))
+                         layouts_given=bool(layouts), repeats=repeats)
     title = f"{case.short()} on {request.device}"
     try:
         report = run_workflow(request, app.progress())

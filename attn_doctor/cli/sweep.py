@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application, Interrupted
-from attn_doctor.cli.options import backend_options, build_grid, grid_options
+from attn_doctor.cli.options import backend_options, build_grid, grid_options, repeats_option
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import LAYOUTS
 
@@ -22,8 +22,9 @@ from attn_doctor.core.layouts import LAYOUTS
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
                    "1 on the CPU; depth sweeps always 1]")
+@repeats_option
 @click.pass_obj
-def sweep(app: Application, backends, kernels, layouts, device, timeout, resume, out_dir, workers,
+def sweep(app: Application, backends, kernels, layouts, device, timeout, resume, out_dir, workers, repeats,
           **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
     from attn_doctor.core.case import expand_grid
@@ -45,7 +46,8 @@ def sweep(app: Application, backends, kernels, layouts, device, timeout, resume,
     check_writable(directory, "--resume" if resume else "--out", directory=True)
     request = sweeping.SweepRequest(cases, specs, list(layouts or LAYOUTS), resolve_device(device), directory,
                                     resume=resume is not None, depths=depths, degrees=degrees, workers=workers,
-                                    timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts))
+                                    timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
+                                    repeats=repeats)
     plan = sweeping.prepare(request)
     if len(plan.todo) < len(plan.points):
         app.console.print(f"resuming {directory}: {len(plan.points) - len(plan.todo)} of {len(plan.points)} points "

@@ -1,4 +1,5 @@
-"""The attention problem to check: shapes, dtype, mask and seed, validated; and grids of them."""
+"""The attention problem to check: shapes, dtype, mask, seed and input distribution, validated; and grids of
+them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from attn_doctor.core.errors import BadInput
 DTYPES = ("bf16", "fp16", "fp32")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MASKS = ("causal", "none")
+# The distributions of q, k, v (`attn_doctor.numerics.inputs` says what each is and why), plainest first.
+INPUTS = ("normal", "uniform", "outliers", "large-logits", "structured")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class Case:
     # Sliding window (left, right) in TE's convention: query i sees keys [i-left, i+right]; -1 = unbounded.
     window: tuple[int, int] | None = None
     seed: int = 1234
+    # The distribution q, k, v are drawn from (one of INPUTS). Shown, written and keyed only when it is not
+    # "normal", so every case, document and point id of the plain distribution reads as it always did.
+    inputs: str = "normal"
 
     @property
     def num_kv_heads(self) -> int:
@@ -61,6 +67,8 @@ class Case:
         d["kv_heads"] = self.num_kv_heads
         d["seq_kv"] = self.seq_k
         d["window"] = list(self.window) if self.window is not None else None
+        if self.inputs == "normal":  # absent means normal: documents written before --inputs read the same
+            del d["inputs"]
         return d
 
     @classmethod
@@ -84,6 +92,8 @@ class Case:
         parts += [f"d{self.head_dim}", self.dtype, self.mask]
         if self.window is not None:
             parts.append(f"win{self.window[0]},{self.window[1]}")
+        if self.inputs != "normal":
+            parts.append(self.inputs)
         return " ".join(parts)
 
     def cli_flags(self) -> str:
@@ -101,6 +111,8 @@ class Case:
         flags += [f"--dtype {self.dtype}", f"--mask {self.mask}"]
         if self.window is not None:
             flags.append(f"--window {self.window[0]},{self.window[1]}")
+        if self.inputs != "normal":
+            flags.append(f"--inputs {self.inputs}")
         flags.append(f"--seed {self.seed}")
         return " ".join(flags)
 
@@ -160,10 +172,13 @@ def make_case(**fields: Any) -> Case:
             case = dataclasses.replace(case, window=(left, 0))
     if not isinstance(case.seed, int):
         raise BadInput(f"seed must be a whole number, got {case.seed!r}")
+    if case.inputs not in INPUTS:
+        raise BadInput(f"unknown inputs {case.inputs!r}; choose one of {', '.join(INPUTS)}")
     return case
 
 
-GRID_FIELDS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "window", "seed")
+GRID_FIELDS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "window", "seed",
+               "inputs")
 
 
 def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[Case]:

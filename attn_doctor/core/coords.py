@@ -152,6 +152,9 @@ class Coords:
         if self.kind is ProbeKind.DEPTH:
             if case.seq_k != case.seq:
                 return "the depth stack is self-attention: it needs seq_kv == seq"
+            if case.inputs != "normal":
+                return (f"the depth stack's q, k, v come from its seeded weights: inputs {case.inputs} applies to "
+                        "one attention call, TP shards and ranks, not to --layers")
             return None
         if self.cp > 1:  # DISTRIBUTED
             cp, tp = self.cp, self.tp

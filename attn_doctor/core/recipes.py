@@ -4,9 +4,10 @@ missing table or key is refused with the file and the key named, never silently 
 
     description = "..."        # optional
     [case]                     # required: Case fields (batch, seq, heads, head_dim, kv_heads, seq_kv, dtype,
-    batch = 4                  #   mask, window = [LEFT, RIGHT], seed)
+    batch = 4                  #   mask, window = [LEFT, RIGHT], seed, inputs)
     [grid]                     # optional, for sweep: a non-empty list per case field, or layers / tp
     layers = [24, 128]
+    inputs = ["normal", "outliers"]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from attn_doctor.distributed.context import Context
 from attn_doctor.distributed.grid import TENSORS, grid_position, parallel_label
 from attn_doctor.numerics.inputs import Inputs, synchronize
 from attn_doctor.numerics.metrics import compare, relative_distance
-from attn_doctor.numerics.reference import attention_reference
+from attn_doctor.numerics.reference import Reference, attention_reference
 
 
 def single_process_run(ctx: Context, backend: Backend, case: Case, inputs: Inputs) -> list:
@@ -33,7 +33,7 @@ class RankZero:
         self.ctx = ctx
         self.backend_of = backend_of  # spec -> the backend built in this process
         self._case_key: tuple | None = None  # the case whose reference and baseline run are kept
-        self._case_runs: tuple[dict, float, dict | None, dict, float] | None = None
+        self._case_runs: tuple[Reference, float, dict | None, dict, float] | None = None
 
     def analyse(self, backend: Backend, case: Case, inputs: Inputs, gathered: dict, rans: list[str],
                 method: str | None, kernel_s: float) -> dict:
@@ -67,12 +67,20 @@ class RankZero:
         single_s = baseline_s + time.perf_counter() - start
 
         start = time.perf_counter()
+        exact = reference.tensors()
+
+        def measure(tensors: dict, rank: int | None = None) -> dict:
+            """Each tensor (or rank's shard of it) against float64, with the reference's term magnitudes."""
+            def part(t, n):
+                return t if rank is None else cut(t, n, rank)
+            return {n: compare(tensors[n], part(exact[n], n), part(reference.terms(n), n)).to_dict() for n in TENSORS}
+
         result = {
             "status": "ok",
             "ran": self.ran_label(rans),
-            "metrics": {n: compare(full[n], reference[n]).to_dict() for n in TENSORS},
-            "single_metrics": {n: compare(single[n], reference[n]).to_dict() for n in TENSORS} if single else {},
-            "baseline_metrics": {n: compare(baseline[n], reference[n]).to_dict() for n in TENSORS} if baseline else {},
+            "metrics": measure(full),
+            "single_metrics": measure(single) if single else {},
+            "baseline_metrics": measure(baseline) if baseline else {},
             "vs_single": {n: relative_distance(full[n], single[n]) for n in TENSORS} if single else {},
             "bitwise_single": {n: bool(torch.equal(full[n], single[n])) for n in TENSORS} if single else {},
             "ranks": [],
@@ -80,11 +88,10 @@ class RankZero:
         }
         for rank in range(ctx.world):
             t, c = grid_position(rank, ctx.tp)
-            refs = {n: cut(reference[n], n, rank) for n in TENSORS}
             entry = {"rank": rank, "tp_rank": t, "cp_rank": c, "ran": rans[rank],
-                     "metrics": {n: compare(gathered[n][rank], refs[n]).to_dict() for n in TENSORS}}
+                     "metrics": measure({n: gathered[n][rank] for n in TENSORS}, rank)}
             if baseline:
-                entry["baseline_metrics"] = {n: compare(cut(baseline[n], n, rank), refs[n]).to_dict() for n in TENSORS}
+                entry["baseline_metrics"] = measure({n: cut(baseline[n], n, rank) for n in TENSORS}, rank)
             if single:
                 entry["vs_single"] = {n: relative_distance(gathered[n][rank], cut(single[n], n, rank)) for n in TENSORS}
             result["ranks"].append(entry)
@@ -92,13 +99,13 @@ class RankZero:
                              "compare": time.perf_counter() - start}
         return result
 
-    def _reference_and_baseline(self, case: Case, inputs: Inputs) -> tuple[dict, float, dict | None, dict, float]:
+    def _reference_and_baseline(self, case: Case, inputs: Inputs) -> tuple[Reference, float, dict | None, dict, float]:
         """The float64 reference and the local baseline's single-process run of `case`, with their seconds."""
         if self._case_key != case.key():
             self._case_runs = None  # free the previous case first
             start = time.perf_counter()
             reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,
-                                            softmax_scale=case.softmax_scale, window=case.window).tensors()
+                                            softmax_scale=case.softmax_scale, window=case.window)
             synchronize(self.ctx.device)
             reference_s = time.perf_counter() - start
             start = time.perf_counter()

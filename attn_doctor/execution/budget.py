@@ -4,10 +4,10 @@ has free, and a refusal that says how much would be needed and what would fit.
 The estimate adds the float64 references the parent keeps (`reference_bytes`; a depth stack's per-layer dQ)
 to the larger of computing one (its tiles; a depth stack's float64 replica) and what the workers hold at once:
 per backend family the largest probe one worker runs (its inputs, the layout's buffers, outputs and gradients,
-the comparison's chunks and the path's own working memory, `Backend.memory`: a path that materialises the
-scores grows with seq x seq_kv; the local baseline always runs, and always does). Families run concurrently,
-so their peaks add up, but depth stacks run one family at a time. On a GPU the parent and the workers share
-the one device, on the CPU the machine's RAM.
+with --repeats the copy of the first repeat's, the comparison's chunks and the path's own working memory,
+`Backend.memory`: a path that materialises the scores grows with seq x seq_kv; the local baseline always runs,
+and always does). Families run concurrently, so their peaks add up, but depth stacks run one family at a
+time. On a GPU the parent and the workers share the one device, on the CPU the machine's RAM.
 It is an estimate of the large allocations, not of the allocator's slack: it refuses what cannot fit, so
 that a request too large fails in a second with a reason instead of after minutes, blaming a kernel.
 """
@@ -38,12 +38,15 @@ def _elements(case: Case) -> tuple[int, int]:
     return case.batch * case.seq * case.heads * case.head_dim, case.batch * case.seq_k * case.num_kv_heads * case.head_dim
 
 
-def _call_bytes(coords: Coords, case: Case) -> tuple[int, int]:
-    """(tensors, path): one call's inputs, layout buffers, outputs, gradients and comparison; the path's own."""
+def _call_bytes(coords: Coords, case: Case, repeats: int = 1) -> tuple[int, int]:
+    """(tensors, path): one call's inputs, layout buffers, outputs, gradients and comparison; the path's own.
+    A call repeated (--repeats) keeps a copy of its first repeat's outputs and gradients to compare with."""
     item = DTYPE_BYTES[case.dtype]
     q, kv = _elements(case)
     views = 2 if coords.layout == "head_slice" else 1  # the head_slice layout's wider buffers
     tensors = (2 * q + 2 * kv) * item * 3 + (q + 2 * kv) * item * (views - 1) + min(max(q, kv), CHUNK_ELEMENTS) * 8 * 5
+    if repeats > 1 and coords.kind is ProbeKind.CALL:
+        tensors += (2 * q + 2 * kv) * item
     path = backends.memory(coords.backend, case)
     return tensors, path.saved + path.transient
 
@@ -57,12 +60,13 @@ def _reference(case: Case, device: str) -> tuple[int, int]:
                            torch.device(device.split(":")[0]))
 
 
-def probe_need(coords: Coords) -> tuple[int, int]:
-    """(tensors, path) bytes one worker needs at the probe's peak."""
+def probe_need(coords: Coords, repeats: int = 1) -> tuple[int, int]:
+    """(tensors, path) bytes one worker needs at the probe's peak (`repeats`: --repeats, which only single
+    calls honour)."""
     from attn_doctor.probes.stack import stack_bytes
 
     case = coords.case
-    tensors, path = _call_bytes(coords, case)
+    tensors, path = _call_bytes(coords, case, repeats)
     if coords.kind is ProbeKind.TP:
         return tensors * 2, path  # the unsharded run is kept while the shards run
     if coords.kind is ProbeKind.DEPTH:
@@ -88,10 +92,11 @@ def parent_need(coords: Coords, device: str) -> tuple[int, int]:
     return _reference(case, device)
 
 
-def estimate(coords_list: list[Coords], device: str, workers_per_family: int = 1) -> Need:
+def estimate(coords_list: list[Coords], device: str, workers_per_family: int = 1, repeats: int = 1) -> Need:
     """The peak of running these probes: the references the parent keeps, plus the larger of computing one
     and what the workers hold at once. Families run concurrently (their largest probes add up, times the
-    workers of a family); depth stacks run one family at a time (the largest stack counts)."""
+    workers of a family); depth stacks run one family at a time (the largest stack counts). With `repeats`
+    (--repeats) > 1 a single call also keeps its first repeat's outputs and gradients."""
     parts: dict[str, int] = {}
     per_family: dict[str, list[Coords]] = defaultdict(list)
     references: dict[tuple, tuple[int, int]] = {}
@@ -106,7 +111,7 @@ def estimate(coords_list: list[Coords], device: str, workers_per_family: int = 1
     scratch = max(s for _, s in references.values())
     workers: dict[str, int] = {}
     for family, family_coords in per_family.items():
-        tensors, path, name = max((*probe_need(c), c.backend.name) for c in family_coords)
+        tensors, path, name = max((*probe_need(c, repeats), c.backend.name) for c in family_coords)
         if path > tensors:
             workers[f"{name}'s working memory (its scores)"] = path * concurrent
             workers[f"the {family} worker's tensors"] = tensors * concurrent
@@ -158,10 +163,12 @@ def _with_seq(coords: Coords, seq: int) -> Coords:
     return coords.replace(case=dataclasses.replace(case, seq=seq, seq_kv=seq_kv))
 
 
-def largest_seq(coords_list: list[Coords], device: str, workers_per_family: int, available: int) -> int:
+def largest_seq(coords_list: list[Coords], device: str, workers_per_family: int, available: int,
+                repeats: int = 1) -> int:
     """The largest seq (the others as given) whose estimate fits `available`; 0 when not even 1 does."""
     def fits(seq: int) -> bool:
-        return estimate([_with_seq(c, seq) for c in coords_list], device, workers_per_family).total <= available
+        return estimate([_with_seq(c, seq) for c in coords_list], device, workers_per_family,
+                        repeats).total <= available
 
     longest = max(c.case.seq for c in coords_list)
     lo, hi = 0, longest
@@ -175,22 +182,22 @@ def largest_seq(coords_list: list[Coords], device: str, workers_per_family: int,
 
 
 def check_fits(coords_list: list[Coords], device: str, workers_per_family: int = 1,
-               available: tuple[int | None, str] | None = None) -> None:
+               available: tuple[int | None, str] | None = None, repeats: int = 1) -> None:
     """BadInput, before any work, when the probes' estimate exceeds the memory free on the device."""
     if not coords_list:
         return
     free, where = available if available is not None else available_bytes(device)
     if free is None:
         return
-    need = estimate(coords_list, device, workers_per_family)
+    need = estimate(coords_list, device, workers_per_family, repeats)
     if need.total <= free:
         return
     worst = sorted(need.parts.items(), key=lambda item: -item[1])[:2]
     why = ", ".join(f"{what} {size(n)}" for what, n in worst)
     cases = {c.case.key(): c.case for c in coords_list}
     biggest = max(cases.values(), key=lambda case: estimate([c for c in coords_list if c.case == case], device,
-                                                            workers_per_family).total)
-    fit = largest_seq([c for c in coords_list if c.case == biggest], device, workers_per_family, free)
+                                                            workers_per_family, repeats).total)
+    fit = largest_seq([c for c in coords_list if c.case == biggest], device, workers_per_family, free, repeats)
     hint = (f"at batch {biggest.batch}, {biggest.heads} heads, head dim {biggest.head_dim}, the longest --seq that "
             f"fits is about {fit}" if fit else "not even seq 1 fits: lower --batch or --heads")
     raise BadInput(f"{biggest.short()} needs about {size(need.total)} of memory ({why}), but {size(free)} {where}; "

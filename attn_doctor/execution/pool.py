@@ -117,10 +117,12 @@ class Worker:
             reason = self._death_reason("before the job")
             self.close()
             return {"status": "error", "reason": reason}
-        reply = self._wait(time.monotonic() + self.timeout_s, on_progress)
+        repeats = max(1, int(job.get("repeats", 1)))  # --timeout is per call: a probe of N repeats gets N times it
+        reply = self._wait(time.monotonic() + self.timeout_s * repeats, on_progress)
         if reply is not None and reply.get("timeout"):
             self.close(graceful=False)
-            return {"status": "error", "reason": f"hung: no answer within --timeout {self.timeout_s:g} s; worker killed"}
+            within = f"--timeout {self.timeout_s:g} s" + (f" x {repeats} repeats" if repeats > 1 else "")
+            return {"status": "error", "reason": f"hung: no answer within {within}; worker killed"}
         if reply is None:
             reason = self._death_reason("while running it")
             detail = self.stderr_tail(20)

@@ -51,6 +51,11 @@ def row_from_reply(coords: Coords, reply: dict) -> Row:
     )
 
 
+def repeats_of(coords: Coords, repeats: int) -> int:
+    """How many times a probe runs: --repeats for a single call, once for TP shards and depth stacks."""
+    return repeats if coords.kind is ProbeKind.CALL else 1
+
+
 def skipped_row(coords: Coords, reason: str) -> Row:
     return Row(coords=coords, verdict=SKIP, reason=reason)
 
@@ -102,12 +107,13 @@ class Session:
     """Worker processes kept across groups of probes (a sweep's points, a bisect's steps)."""
 
     def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int = 1,
-                 progress: ProgressSink | None = None):
+                 progress: ProgressSink | None = None, repeats: int = 1):
         from attn_doctor.execution.shared_reference import ReferenceStore
 
         self.device = device
         self.timeout_s = timeout_s
         self.workers_per_family = max(1, workers_per_family)
+        self.repeats = repeats  # runs of each CALL probe (--repeats); the other kinds run once
         self.progress = progress or ProgressSink()
         self.workers: dict[str, list[Worker]] = {}
         self.references = ReferenceStore(device, on_progress=self.progress.note)
@@ -192,7 +198,8 @@ class Session:
         coords = batch.groups[group][index]
         spec: BackendSpec = coords.backend
         message = {"op": "run", "coords": coords.to_dict(),
-                   "reference": self.references.handle(coords.case, coords.reference_layers)}
+                   "reference": self.references.handle(coords.case, coords.reference_layers),
+                   "repeats": repeats_of(coords, self.repeats)}
         starting.join()
         try:
             reply = worker.request(message, on_progress=lambda text: self.progress.note(f"{spec.name}: {text}"))

@@ -1,7 +1,8 @@
 """The worker process: serves one backend family's probes, one JSON line in, one JSON line out.
 
 Run as `python -m attn_doctor.execution.worker FAMILY DEVICE`. It prepares the family's library first
-(TE must load before anything touches torch's cuDNN), answers {"hello": ...}, then one reply per request,
+(TE must load before anything touches torch's cuDNN), answers {"hello": ...}, then one reply per request
+({"op": "run", "coords": ..., "reference": ..., "repeats": N}),
 with {"progress": "..."} lines while a long probe advances. Replies go to a private copy of the original
 stdout; fd 1 is pointed at stderr so that whatever a library prints cannot corrupt the protocol. A CUDA
 error may leave the context unusable, so after one the worker replies with "fatal": true and exits; the
@@ -76,7 +77,8 @@ def main(argv: list[str]) -> int:
                 reply({"id": job_id, "status": "skip", "reason": str(backend)})
                 continue
             outcome = run_probe(backend, coords, caches,
-                                progress=lambda text: reply({"id": job_id, "progress": text}))
+                                progress=lambda text: reply({"id": job_id, "progress": text}),
+                                repeats=request.get("repeats", 1))
             reply({"id": job_id, **outcome.to_dict()})
         except Exception as exc:  # noqa: BLE001 - a failing kernel is an ERROR row, never a dead tool
             cause = exc.cause if isinstance(exc, KernelError) else exc

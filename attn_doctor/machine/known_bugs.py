@@ -523,14 +523,17 @@ def describe(match: Match) -> str:
 
 
 
-def case_descriptions(env: EnvReport, cases: Sequence[tuple[Case, Sequence[str | None]]]) -> list[str]:
+def case_descriptions(env: EnvReport,
+                      cases: Sequence[tuple[Case, Sequence[str | None | Mapping[str, Any]]]]) -> list[str]:
     """One line per known bug that matches the machine and any of the cases (each case with the qkv formats
-    it ran in; None: a path whose format no rule is written for)."""
+    it ran in; None: a path whose format no rule is written for; or, for a path that runs in another context
+    than the machine's, a mapping of MatchContext fields, e.g. {"qkv_format": "sbhd", "deterministic": True})."""
     bugs = load_known_bugs()
     found: dict[str, str] = {}
     for case, formats in cases:
-        for qkv_format in formats or [None]:
-            context = MatchContext.from_env(env, qkv_format=qkv_format)
+        for entry in formats or [None]:
+            values = dict(entry) if isinstance(entry, Mapping) else {"qkv_format": entry}
+            context = MatchContext.from_env(env, **values)
             for match in match_case(bugs, env, case, context):
                 found.setdefault(match.bug.id, describe(match))
     return list(found.values())

@@ -1,5 +1,19 @@
 """The inputs every probe of a case shares: seeded q, k, v and output gradient, and the device helpers
-that go with measuring on them."""
+that go with measuring on them.
+
+q, k, v follow the case's input distribution (`--inputs`, `Case.inputs`); Gaussian inputs hide faults that
+real activations trigger. The output gradient is standard normal for every distribution.
+
+- normal: standard normal, the plain case every result before `--inputs` was measured on.
+- uniform: U(-√3, √3), unit variance like normal but without tails: errors of the bulk alone.
+- outliers: standard normal, then a few fixed head-dim channels (1 in 32, at least 1, chosen from the seed)
+  ×20 in q, k and v, as LLM activations' outlier channels are: they stress low-precision accumulation.
+- large-logits: standard normal with q and k ×4, so scores have a standard deviation near 16 and most
+  softmax rows are close to one-hot: the softmax's saturation, where max-subtraction and exp's precision count.
+- structured: rank-min(4, head dim) q, k, v (per-head basis, about unit variance) plus a per-head mean vector
+  (entries ×4) added to every key, as real activations are structured: the keys are nearly equal, so dQ
+  (a sum over keys whose softmax weights sum to zero) nearly cancels.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from attn_doctor.core.case import Case
+
+OUTLIER_SCALE = 20.0  # outliers: the outlier channels' factor
+OUTLIER_EVERY = 32  # outliers: one outlier channel per this many head-dim channels (at least one)
+LOGIT_SCALE = 4.0  # large-logits: q and k's factor (scores' std = 4 * 4 = 16)
+RANK = 4  # structured: the rank of q, k, v (at most the head dim)
+KEY_MEAN_SCALE = 4.0  # structured: the std of the entries of each head's shared key mean vector
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -20,19 +40,62 @@ class Inputs:
     dout: torch.Tensor
 
 
+def outlier_channels(head_dim: int, seed: int) -> list[int]:
+    """The head-dim channels `outliers` scales: 1 in 32 (at least one), drawn from the seed on the CPU, so
+    they are the same on every device."""
+    count = max(1, head_dim // OUTLIER_EVERY)
+    return sorted(torch.randperm(head_dim, generator=torch.Generator().manual_seed(seed))[:count].tolist())
+
+
 def make_inputs(case: Case, device: torch.device) -> Inputs:
-    """Seeded standard-normal q, k, v and output gradient (bshd), drawn in fp32 on `device` and rounded to
-    the dtype: cases with equal keys get bitwise-equal inputs, in every process."""
+    """Seeded q, k, v of the case's distribution and a standard-normal output gradient (bshd), drawn in fp32
+    on `device` from one generator and rounded to the dtype: cases with equal keys get bitwise-equal inputs,
+    in every process. `normal` draws exactly what it always drew (q, k, v, dout, in that order); the
+    standalone repro (`attn_doctor.bisect.repro`) draws the same, step for step."""
     generator = torch.Generator(device=device).manual_seed(case.seed)
     dtype = TORCH_DTYPES[case.dtype]
+    b, s, skv, h, hkv, d = case.batch, case.seq, case.seq_k, case.heads, case.num_kv_heads, case.head_dim
 
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
 
-    q = draw(case.batch, case.seq, case.heads, case.head_dim)
-    k = draw(case.batch, case.seq_k, case.num_kv_heads, case.head_dim)
-    v = draw(case.batch, case.seq_k, case.num_kv_heads, case.head_dim)
-    dout = draw(case.batch, case.seq, case.heads, case.head_dim)
+    if case.inputs == "uniform":
+        def uniform(*shape: int) -> torch.Tensor:
+            u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+            return u.mul_(2.0).sub_(1.0).mul_(3 ** 0.5).to(dtype)
+
+        q, k, v = uniform(b, s, h, d), uniform(b, skv, hkv, d), uniform(b, skv, hkv, d)
+    elif case.inputs == "structured":
+        rank = min(RANK, d)
+
+        def low_rank(n: int, heads: int) -> torch.Tensor:
+            """Per token `rank` coefficients of a per-head basis, summed elementwise (a matmul could take
+            TF32 in one process and not in another)."""
+            coefficients, basis = randn(b, n, heads, rank), randn(heads, rank, d)
+            x = coefficients[..., 0, None] * basis[:, 0]
+            for i in range(1, rank):
+                x.addcmul_(coefficients[..., i, None], basis[:, i])
+            return x.div_(rank ** 0.5)
+
+        q = low_rank(s, h).to(dtype)
+        k = low_rank(skv, hkv)
+        k = k.add_(randn(hkv, d).mul_(KEY_MEAN_SCALE)).to(dtype)  # every key of a head shares its mean vector
+        v = low_rank(skv, hkv).to(dtype)
+    else:  # normal, outliers, large-logits: standard normal, then scaled
+        q_scale = k_scale = v_scale = None  # a factor, or one per head-dim channel
+        if case.inputs == "outliers":
+            channels = torch.ones(d, device=device, dtype=torch.float32)
+            channels[outlier_channels(d, case.seed)] = OUTLIER_SCALE
+            q_scale = k_scale = v_scale = channels
+        elif case.inputs == "large-logits":
+            q_scale = k_scale = LOGIT_SCALE
+
+        def draw(scale: torch.Tensor | float | None, *shape: int) -> torch.Tensor:
+            x = randn(*shape)
+            return (x if scale is None else x.mul_(scale)).to(dtype)
+
+        q, k, v = draw(q_scale, b, s, h, d), draw(k_scale, b, skv, hkv, d), draw(v_scale, b, skv, hkv, d)
+    dout = randn(b, s, h, d).to(dtype)
     return Inputs(q, k, v, dout)
 
 

@@ -1,5 +1,16 @@
 """How far one tensor is from its float64 reference, computed on the tensors' device in float64.
 
+Besides the relative error, each comparison measures the error against the scale of the terms the tensor
+is summed from (`scale`, see `attn_doctor.numerics.reference`: the exact norm and the terms' root-sum-
+square, so it never vanishes where the exact result cancels), and the error's systematic part: its
+projection on the exact tensor, `bias` = <e, r> / <r, r> (x ~ (1 + bias) r + noise), with `bias_z`, the
+projection over its own spread, computed row by row: sum_rows s / sqrt(sum_rows s^2), s = <e_row, r_row>.
+Rounding errors of different rows are independent and (nearly) zero-mean, so bias_z is a self-normalised
+sum: for symmetric errors P(|bias_z| >= t) <= 2 exp(-t^2 / 2) (Hoeffding, conditionally on |s|), whatever
+the rows' sizes; summing each row first keeps the errors a row's elements share (one rounded dS entry
+feeds a whole row of dQ) from inflating it. A wrong scale, a missing term or a biased conversion moves
+every row the same way, so bias_z grows like the square root of the number of rows.
+
 Work goes chunk by chunk along the sequence, so no full-size float64 copy of the candidate is made and
 nothing but a handful of scalars ever reaches the host.
 """
@@ -23,13 +34,28 @@ class TensorMetrics:
     nan: int
     inf: int
     ref_nonfinite: int  # NaN/Inf in the reference itself (then NaN in the candidate is not its fault)
+    # Defaults: what results written before these were measured read as (no cancellation, no bias seen).
+    scaled_err: float = math.nan  # ||x - ref|| / scale
+    worst_head_scaled_err: float = math.nan  # the same, for the worst (batch, head) slice
+    cancellation: float = 1.0  # ||ref|| / scale: near 0 where the exact tensor cancels
+    noise_ratio: float = 1.0  # the scale of the rounding noise over `scale` (>= 1: fp32 scores, see reference)
+    worst_head_noise_ratio: float = 1.0  # its largest value over the (batch, head) slices
+    bias: float = 0.0  # <x - ref, ref> / <ref, ref>
+    bias_z: float = 0.0  # the bias over its spread (see the module docstring)
+    head_bias: float = 0.0  # the bias of the (batch, head) slice with the largest |bias_z|
+    head_bias_z: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def compare(candidate: torch.Tensor, reference: torch.Tensor) -> TensorMetrics:
-    """Compare bshd-shaped tensors [batch, seq, heads, dim] (any dtype/strides) against float64 `reference`."""
+def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None = None) -> TensorMetrics:
+    """Compare bshd-shaped tensors [batch, seq, heads, dim] (any dtype/strides) against float64 `reference`.
+
+    `terms` [batch, seq, heads, 2] are the reference's squared term magnitudes per row, as they are and with
+    the fp32 scores' rounding (`Reference.terms`); without them the scale is the exact norm alone."""
+    if terms is not None and terms.dim() == 3:  # one set of magnitudes: the noise's scale too
+        terms = terms[..., None].expand(*terms.shape, 2)
     if candidate.shape != reference.shape:
         raise ValueError(f"shape {tuple(candidate.shape)} differs from the reference's {tuple(reference.shape)}")
     batch, seq, heads = candidate.shape[:3]
@@ -40,6 +66,8 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor) -> TensorMetrics:
     sq_diff, sq_ref, sq_cand, dot, max_abs = zero.clone(), zero.clone(), zero.clone(), zero.clone(), zero.clone()
     head_sq_diff = torch.zeros(batch, heads, dtype=f64, device=reference.device)
     head_sq_ref = torch.zeros_like(head_sq_diff)
+    head_terms = torch.zeros(batch, heads, 2, dtype=f64, device=reference.device)
+    head_proj, head_proj_sq = torch.zeros_like(head_sq_diff), torch.zeros_like(head_sq_diff)
     nan = inf = ref_nonfinite = 0
     for start in range(0, seq, step):
         x = candidate[:, start : start + step].to(device=reference.device, dtype=f64)
@@ -60,15 +88,60 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor) -> TensorMetrics:
             max_abs = torch.maximum(max_abs, diff.abs().max())
         head_sq_diff += diff.square().sum(dim=(1, 3))
         head_sq_ref += r.square().sum(dim=(1, 3))
+        row_proj = (diff * r).sum(dim=3)  # [batch, seq, heads]
+        head_proj += row_proj.sum(dim=1)
+        head_proj_sq += row_proj.square().sum(dim=1)
+        if terms is not None:
+            head_terms += terms[:, start : start + step].to(device=reference.device, dtype=f64).sum(dim=1)
     ref_norm = math.sqrt(float(sq_ref))
     cand_norm = math.sqrt(float(sq_cand))
     diff_norm = math.sqrt(float(sq_diff))
-    rel = diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
+    rel = _ratio(diff_norm, ref_norm)
     cosine = float(dot) / (ref_norm * cand_norm) if ref_norm > 0 and cand_norm > 0 else (1.0 if rel == 0 else 0.0)
-    head_rel = torch.where(head_sq_ref > 0, head_sq_diff / head_sq_ref.clamp_min(1e-300), head_sq_diff * math.inf)
-    head_rel = torch.nan_to_num(head_rel, nan=0.0)
+    head_rel = _ratios(head_sq_diff, head_sq_ref)
     worst = math.sqrt(float(head_rel.max())) if head_rel.numel() else 0.0
-    return TensorMetrics(rel, float(max_abs), cosine, worst, nan, inf, ref_nonfinite)
+    head_scale_sq = head_sq_ref + head_terms[..., 0]
+    head_noise_sq = head_sq_ref + head_terms[..., 1]
+    scale = math.sqrt(float(head_scale_sq.sum()))
+    noise_ratio = math.sqrt(_ratio(float(head_noise_sq.sum()), float(head_scale_sq.sum()))) if scale > 0 else 1.0
+    head_noise = torch.where(head_scale_sq > 0, head_noise_sq / head_scale_sq.clamp_min(1e-300), 1.0)
+    head_scaled = _ratios(head_sq_diff, head_scale_sq)
+    bias, bias_z = _bias(float(head_proj.sum()), float(head_proj_sq.sum()), float(sq_ref))
+    head_bias = head_bias_z = 0.0
+    if head_proj.numel():
+        head_z = torch.where(head_proj_sq > 0, head_proj / head_proj_sq.clamp_min(1e-300).sqrt(), 0.0)
+        at = int(head_z.abs().argmax())
+        head_bias, head_bias_z = _bias(*(float(t.flatten()[at]) for t in (head_proj, head_proj_sq, head_sq_ref)))
+    return TensorMetrics(
+        rel, float(max_abs), cosine, worst, nan, inf, ref_nonfinite,
+        scaled_err=_ratio(diff_norm, scale),
+        worst_head_scaled_err=math.sqrt(float(head_scaled.max())) if head_scaled.numel() else 0.0,
+        cancellation=ref_norm / scale if scale > 0 else 1.0,
+        noise_ratio=noise_ratio,
+        worst_head_noise_ratio=math.sqrt(float(head_noise.max())) if head_noise.numel() else 1.0,
+        bias=bias, bias_z=bias_z, head_bias=head_bias, head_bias_z=head_bias_z,
+    )
+
+
+def _ratio(err: float, scale: float) -> float:
+    """err / scale, where a zero scale (nothing to compute: the exact result and all its terms are 0)
+    makes any error infinitely large and no error 0."""
+    if scale > 0:
+        return err / scale
+    return 0.0 if err == 0 else math.inf
+
+
+def _ratios(sq_err: torch.Tensor, sq_scale: torch.Tensor) -> torch.Tensor:
+    """Elementwise squared `_ratio`."""
+    out = torch.where(sq_scale > 0, sq_err / sq_scale.clamp_min(1e-300), sq_err * math.inf)
+    return torch.nan_to_num(out, nan=0.0, posinf=math.inf)
+
+
+def _bias(projection: float, projection_sq: float, ref_sq: float) -> tuple[float, float]:
+    """(bias, bias_z) from sum_rows <e, r>, sum_rows <e, r>^2 and ||r||^2; (0, 0) where r is 0."""
+    if ref_sq <= 0 or projection_sq <= 0:
+        return 0.0, 0.0
+    return projection / ref_sq, projection / math.sqrt(projection_sq)
 
 
 def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:

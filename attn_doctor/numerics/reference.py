@@ -16,6 +16,35 @@ the forward, one product the only one of the backward.
 Tensors are in "bshd" logical shape: q, dout, out, dq [batch, seq_q, heads, head_dim];
 k, v, dk, dv [batch, seq_kv, kv_heads, head_dim]. Inputs may be any dtype and any strides;
 they are upcast to float64 (the reference sees exactly the low-precision values a kernel saw).
+
+Term magnitudes: the scale of a correct kernel's rounding noise.
+
+Each entry of out, dQ, dK, dV is a sum of terms (see ../shared/reference/verdict-numerics.md):
+
+    out_i = sum_j P_ij v_j                 dV_j = sum_i P_ij dO_i
+    dQ_i  = c sum_j dS_ij k_j              dK_j = c sum_i dS_ij q_i
+    dS_ij = P_ij (dP_ij - D_i),  dP_ij = dO_i . v_j,  D_i = dO_i . out_i
+
+A correct kernel in precision u rounds every operand and intermediate (P, dS, out...) to relative
+precision ~u, independently, so its error in a row is ~u times the root-sum-square of the sizes of the
+terms, not u times the (possibly cancelled) sum. For each row this module returns that root-sum-square,
+squared and summed over the head dim, with dS_ij's size taken as the size of the two quantities whose
+difference it is, each a root-sum-square over the head dim too (the size of a sum of rounded terms, which
+cannot vanish by cancellation as dP_ij itself can): M_ij = P_ij (A_ij + B_i), A_ij = |dO_i * v_j|,
+B_i = |dO_i * out_i| (elementwise products, L2 norms over the head dim):
+
+    out_i: sum_j P_ij^2 |v_j|^2            dV_j: sum_i P_ij^2 |dO_i|^2
+    dQ_i:  c^2 sum_j M_ij^2 |k_j|^2        dK_j: c^2 sum_i M_ij^2 |q_i|^2
+
+Kernels compute scores and the log-sum-exp in fp32 whatever the input dtype, and a flash-style backward
+recomputes P = exp(s - lse) from them, so P's relative error also has a part u_fp32 * (|s| + |lse|):
+negligible in bf16/fp16 (2^-16 and 2^-13 of their own roundoff per unit of |lse|), dominant in fp32 with
+large logits. Each row's terms are also returned scaled by g_i = 1 + 2 |lse_i| u_scores / u_inputs: that is
+the scale of the noise, while the terms as they are say whether the exact result cancels.
+
+For random inputs this is close to the exact row's own squared norm (the signed sum of random terms has
+the size of their root-sum-square); where the exact result cancels (one key, a saturated softmax, equal
+keys or values) the exact row is ~0 while this stays the size of the noise every correct kernel makes.
 """
 
 from __future__ import annotations
@@ -23,6 +52,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# The scores' unit roundoff over the inputs' (see "Term magnitudes"), by the dtype names cases use.
+SCORE_PRECISION = {"bf16": 2.0**-16, "fp16": 2.0**-13, "fp32": 1.0}
 
 # Bytes for float64 score tiles. On CUDA: at seq 131072, 1024 rows of 4 heads' probabilities kept (4 GiB),
 # 18.6 GiB in all with 16 heads.
@@ -46,9 +78,25 @@ class Reference:
     dk: torch.Tensor | None
     dv: torch.Tensor | None
     lse: torch.Tensor  # [batch, heads, seq_q]; -inf for a row that sees no key
+    # The magnitude of the terms each row of out, dq, dk, dv is summed from ([batch, seq, heads, 2], float64;
+    # None without a backward): [..., 0] as they are, [..., 1] with fp32 scores' rounding (see "Term
+    # magnitudes" above).
+    out_terms: torch.Tensor | None = None
+    dq_terms: torch.Tensor | None = None
+    dk_terms: torch.Tensor | None = None
+    dv_terms: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv}
+
+    def terms(self, name: str) -> torch.Tensor | None:
+        return getattr(self, f"{name}_terms")
+
+    def shared(self) -> tuple[torch.Tensor | None, ...]:
+        """Every tensor, in field order (`Reference(*shared)` rebuilds it): what workers map."""
+        return (self.out, self.dq, self.dk, self.dv, self.lse,
+                self.out_terms, self.dq_terms, self.dk_terms, self.dv_terms)
+
 
 
 def _edges(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
@@ -170,10 +218,12 @@ def attention_reference(
     softmax_scale: float,
     window: tuple[int, int] | None = None,
     block_bytes: int | None = None,
+    with_terms: bool = True,
 ) -> Reference:
-    """Float64 out, dq, dk, dv and log-sum-exp of softmax(q k^T * scale + mask) v, tile by tile.
+    """Float64 out, dq, dk, dv and log-sum-exp of softmax(q k^T * scale + mask) v, tile by tile, and (with
+    `with_terms`) the term magnitudes of each row of out, dq, dk, dv.
 
-    With `dout` None only the forward is computed (dq, dk, dv are returned as None).
+    With `dout` None only the forward is computed (dq, dk, dv and the term magnitudes are returned as None).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_kv, kv_heads, head_dim_v = v.shape
@@ -189,13 +239,21 @@ def attention_reference(
     shift_free = _score_bound_of_all(q, k, softmax_scale) <= SHIFT_FREE_BOUND
     k_ext = _extended(per_kv_head(k), 1.0)  # [pairs, s_kv, d + pad]
     v_ext = _extended(per_kv_head(v), 1.0)
+    v_squared = v_ext[..., :head_dim_v].square() if dout is not None and with_terms else None
+    score_precision = _score_precision(q.dtype)
     out = torch.zeros(pairs, group, seq_q, head_dim_v, dtype=f64, device=device)
     lse = torch.full((pairs, group, seq_q), float("-inf"), dtype=f64, device=device)
-    grads = None
+    grads = terms = None
     if dout is not None:
         grads = (torch.zeros(pairs, group, seq_q, head_dim, dtype=f64, device=device),
                  torch.zeros(pairs, seq_kv, head_dim, dtype=f64, device=device),
                  torch.zeros(pairs, seq_kv, head_dim_v, dtype=f64, device=device))
+    if dout is not None and with_terms:
+        # Per row: out and dq like the queries, dk and dv like the keys (see "Term magnitudes" above).
+        terms = (torch.zeros(pairs, group, seq_q, 2, dtype=f64, device=device),
+                 torch.zeros(pairs, group, seq_q, 2, dtype=f64, device=device),
+                 torch.zeros(pairs, seq_kv, 2, dtype=f64, device=device),
+                 torch.zeros(pairs, seq_kv, 2, dtype=f64, device=device))
 
     def rows_of(t: torch.Tensor, p0: int, p1: int, q0: int, q1: int) -> torch.Tensor:
         """Positions [q0, q1) of pairs [p0, p1) of a bshd tensor as float64 [p1 - p0, group * n, d]."""
@@ -205,9 +263,11 @@ def attention_reference(
     plan = plan_tiles(pairs, group, seq_q, seq_kv, device, block_bytes)
     for p0 in range(0, pairs, plan.pairs):
         p1 = min(pairs, p0 + plan.pairs)
-        chunk = _Chunk(k_ext[p0:p1], v_ext[p0:p1], out[p0:p1], lse[p0:p1],
+        chunk = _Chunk(k_ext[p0:p1], v_ext[p0:p1], out[p0:p1], lse[p0:p1], score_precision,
                        None if grads is None else tuple(g[p0:p1] for g in grads),
-                       k_norms=None if shift_free else k_ext[p0:p1, :, :head_dim].norm(dim=-1))
+                       k_norms=None if shift_free else k_ext[p0:p1, :, :head_dim].norm(dim=-1),
+                       terms=None if terms is None else tuple(t[p0:p1] for t in terms),
+                       v_squared=None if terms is None else v_squared[p0:p1])
         for q0 in range(0, seq_q, plan.rows):
             q1 = min(seq_q, q0 + plan.rows)
             k0, k1 = key_range(q0, q1, seq_kv, causal, window)
@@ -226,12 +286,19 @@ def attention_reference(
     def kv_to_bshd(t: torch.Tensor) -> torch.Tensor:
         return t.view(batch, kv_heads, seq_kv, t.shape[-1]).permute(0, 2, 1, 3)
 
+    def rows_to_bsh(t: torch.Tensor, q_side: bool) -> torch.Tensor:
+        if q_side:
+            return t.reshape(batch, heads, seq_q, 2).permute(0, 2, 1, 3)
+        return t.view(batch, kv_heads, seq_kv, 2).permute(0, 2, 1, 3)
+
     return Reference(
         out=to_bshd(out),
         dq=None if grads is None else to_bshd(grads[0]),
         dk=None if grads is None else kv_to_bshd(grads[1]),
         dv=None if grads is None else kv_to_bshd(grads[2]),
         lse=lse.reshape(batch, heads, seq_q),
+        **({} if terms is None else {f"{name}_terms": rows_to_bsh(t, name in ("out", "dq"))
+                                     for name, t in zip(("out", "dq", "dk", "dv"), terms)}),
     )
 
 
@@ -243,8 +310,11 @@ class _Chunk:
     v_ext: torch.Tensor  # [pairs, s_kv, d_v + pad]: [v, 1, 0...]
     out: torch.Tensor  # [pairs, group, s_q, d_v]
     lse: torch.Tensor  # [pairs, group, s_q]
+    score_precision: float  # the scores' unit roundoff over the inputs' (see "Term magnitudes")
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # dq like out; dk, dv like k and v
     k_norms: torch.Tensor | None  # [pairs, s_kv]: |k|, for the score bound (None: scores need no shift)
+    terms: tuple[torch.Tensor, ...] | None = None  # out, dq [pairs, group, s_q, 2]; dk, dv [pairs, s_kv, 2]
+    v_squared: torch.Tensor | None = None  # [pairs, s_kv, d_v]: v * v, for the term magnitudes
 
 
 @dataclass(frozen=True)
@@ -315,7 +385,19 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
     delta = (dob * ob).sum(dim=-1) * inverse_sum
     dob = dob * inverse_sum[..., None]
     do_ext = _extended(dob, -delta)
+    terms = chunk.terms
+    if terms is not None:
+        # Squared row norms for the term magnitudes: P~ and dob carry 1/l, q_scaled carries the scale, so
+        # P~ (A' + B') = P (A + B) with A' and B' computed from dob.
+        k_sq, v_sq = keys.square().sum(-1, keepdim=True), chunk.v_squared.sum(-1, keepdim=True)
+        dob_squared = dob.square()
+        q_sq, do_sq = q_scaled.square().sum(-1, keepdim=True), dob_squared.sum(-1, keepdim=True)
+        b_term = (dob_squared * ob.square()).sum(-1, keepdim=True).sqrt_()
+        # g^2 per row: a second column of dk's and dv's row weights; out's and dq's rows take it at the end
+        amplified = (1 + 2 * chunk.score_precision * torch.where(seen, block_lse, 0.0).abs()).square()[..., None]
+        q_sq, do_sq = torch.cat([q_sq, q_sq * amplified], -1), torch.cat([do_sq, do_sq * amplified], -1)
     dqb = None
+    row_out_terms = row_dq_terms = 0.0
     for index, (c0, c1) in enumerate(tiles):
         if keep:
             probs, kept[index] = kept[index], None  # freed as soon as the tile is done
@@ -323,14 +405,35 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
             probs = probabilities(q_side, k_side, c0, c1)
         dv[:, c0:c1].baddbmm_(probs.transpose(1, 2), dob)
         dscores = torch.bmm(do_ext, chunk.v_ext[:, c0:c1].transpose(1, 2)).mul_(probs)
-        del probs
         if dqb is None:
             dqb = torch.bmm(dscores, keys[:, c0:c1])
         else:
             dqb.baddbmm_(dscores, keys[:, c0:c1])
         dk[:, c0:c1].baddbmm_(dscores.transpose(1, 2), q_scaled)  # q is already scaled
         del dscores
+        if terms is not None:
+            sizes = torch.bmm(dob_squared, chunk.v_squared[:, c0:c1].transpose(1, 2)).sqrt_().add_(b_term)
+            sizes.mul_(probs).square_()
+            row_dq_terms = row_dq_terms + torch.bmm(sizes, k_sq[:, c0:c1])
+            terms[2][:, c0:c1] += torch.bmm(sizes.transpose(1, 2), q_sq)
+            del sizes
+            probs.square_()
+            row_out_terms = row_out_terms + torch.bmm(probs, v_sq[:, c0:c1])
+            terms[3][:, c0:c1] += torch.bmm(probs.transpose(1, 2), do_sq)
+        del probs
     dq[:, :, q0:q1] = (dqb * softmax_scale).view(pairs, group, n, head_dim)
+    if terms is not None:
+        both = torch.cat([torch.ones_like(amplified), amplified], -1)
+        terms[1][:, :, q0:q1] = (row_dq_terms * both * softmax_scale**2).view(pairs, group, n, 2)
+        terms[0][:, :, q0:q1] = (row_out_terms * both * inverse_sum.square()[..., None]).view(pairs, group, n, 2)
+
+
+def _score_precision(dtype: torch.dtype) -> float:
+    """The unit roundoff of the scores a kernel computes (fp32 for 16- and 32-bit inputs, the inputs' own
+    beyond) over the inputs' unit roundoff."""
+    inputs = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    scores = torch.finfo(torch.float32).eps if inputs >= torch.finfo(torch.float32).eps else inputs
+    return scores / inputs
 
 
 def _score_bound_of_all(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
@@ -377,7 +480,8 @@ class Float64Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v = ctx.saved_tensors
         causal, softmax_scale, window = ctx.options
-        ref = attention_reference(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, window=window)
+        ref = attention_reference(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, window=window,
+                                  with_terms=False)
         return ref.dq, ref.dk, ref.dv, None, None, None
 
 
@@ -407,22 +511,53 @@ def naive_reference(
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
     out = torch.matmul(probs, vh).transpose(1, 2)
-    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.to(torch.float64))
-    return Reference(out.detach(), dq, dk, dv, lse.detach())
+    do64 = dout.to(torch.float64)
+    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do64)
+    # The term magnitudes, materialised (see "Term magnitudes" above); per head, then summed over groups.
+    probs = probs.detach()
+    do_h = do64.transpose(1, 2)
+    a_term = torch.matmul(do_h.square(), vh.detach().square().transpose(-1, -2)).sqrt()
+    b_term = (do_h * out.detach().transpose(1, 2)).square().sum(-1, keepdim=True).sqrt()
+    sizes = (probs * (a_term + b_term)).square()
+    amplified = (1 + 2 * _score_precision(q.dtype) * torch.where(torch.isfinite(lse), lse, 0.0).abs().detach()).square()
+    k_sq, v_sq = kh.detach().square().sum(-1), vh.detach().square().sum(-1)
+    q_sq, do_sq = qh.detach().square().sum(-1), do_h.square().sum(-1)
+
+    def both(rows: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., 2]: as they are, and with each query row's g^2 (on the rows, or on `weights` summed over)."""
+        if weights is None:
+            return torch.stack([rows, rows * amplified], -1)
+        return torch.stack([rows @ weights[..., None], rows @ (weights * amplified)[..., None]], -1).squeeze(-2)
+    group = heads // kv_heads
+
+    def per_kv(t: torch.Tensor) -> torch.Tensor:  # [b, h, s_kv, 2] -> [b, s_kv, kv_heads, 2], summed over groups
+        return t.view(t.shape[0], kv_heads, group, *t.shape[2:]).sum(2).transpose(1, 2)
+
+    return Reference(
+        out.detach(), dq, dk, dv, lse.detach(),
+        out_terms=both((probs.square() @ v_sq[..., None]).squeeze(-1)).transpose(1, 2),
+        dq_terms=both((sizes @ k_sq[..., None]).squeeze(-1)).transpose(1, 2) * softmax_scale**2,
+        dk_terms=per_kv(both(sizes.transpose(-1, -2), q_sq)) * softmax_scale**2,
+        dv_terms=per_kv(both(probs.square().transpose(-1, -2), do_sq)),
+    )
 
 
 def reference_bytes(batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int, head_dim: int,
                     device: torch.device, block_bytes: int | None = None) -> tuple[int, int]:
-    """(kept, scratch): bytes of the float64 out, dq, dk, dv and lse `attention_reference` returns, and the
-    peak of what it allocates on top while it works (extended k and v, the tiles of its plan)."""
+    """(kept, scratch): bytes of the float64 out, dq, dk, dv, lse and term magnitudes `attention_reference`
+    returns, and the peak of what it allocates on top while it works (extended k and v, v squared, the tiles
+    of its plan)."""
     group = heads // kv_heads
     pairs = batch * kv_heads
     width = -(-(head_dim + 1) // 8) * 8
-    kept = 8 * (2 * batch * seq_q * heads * head_dim + 2 * batch * seq_kv * kv_heads * head_dim + batch * heads * seq_q)
+    kept = 8 * (2 * batch * seq_q * heads * head_dim + 2 * batch * seq_kv * kv_heads * head_dim + batch * heads * seq_q
+                + 2 * batch * seq_q * heads + 2 * batch * seq_kv * kv_heads)
     plan = plan_tiles(pairs, group, seq_q, seq_kv, device, block_bytes)
     if plan.keep:
         tiles = plan.pairs * group * plan.rows * (seq_kv + plan.cols) * 8
     else:
         tiles = plan.pairs * group * plan.rows * plan.cols * 8 * 2
-    rows = 3 * plan.pairs * group * plan.rows * width * 8  # a block's q, dout and their gradient, upcast
-    return kept, 2 * pairs * seq_kv * width * 8 + tiles + rows
+    # a block's q, dout and its square, and their gradient, upcast (the dS tile's place is taken by the
+    # term magnitudes' tile once it is done)
+    rows = 4 * plan.pairs * group * plan.rows * width * 8
+    return kept, 3 * pairs * seq_kv * width * 8 + tiles + rows

@@ -1,7 +1,8 @@
 """Probes: what a worker process does with one set of coordinates (`attn_doctor.core.coords`).
 
-Each kind that runs in a worker is one module with `run(backend, coords, caches, progress)`; DISTRIBUTED
-probes run on torchrun ranks instead (`attn_doctor.distributed`). `plan` turns requests into coordinates.
+Each kind that runs in a worker is one module with `run(backend, coords, caches, progress)` (CALL's also
+takes `repeats`: `--repeats N`); DISTRIBUTED probes run on torchrun ranks instead (`attn_doctor.distributed`).
+`plan` turns requests into coordinates.
 """
 
 from __future__ import annotations
@@ -15,15 +16,22 @@ from attn_doctor.probes.outcome import ProbeOutcome
 RUNNERS = {ProbeKind.CALL: call.run, ProbeKind.TP: tp.run, ProbeKind.DEPTH: depth.run}
 
 
-def run_probe(backend: Backend, coords: Coords, caches: Caches, progress: Progress | None = None) -> ProbeOutcome:
+def run_probe(backend: Backend, coords: Coords, caches: Caches, progress: Progress | None = None,
+              repeats: int = 1) -> ProbeOutcome:
     """Run `backend` at `coords`: an "ok" outcome with metrics, or "skip" when the backend refuses the case.
-    The kernel's own exceptions come out as KernelError; any other exception is attn-doctor's."""
+    The kernel's own exceptions come out as KernelError; any other exception is attn-doctor's. `repeats` > 1
+    runs a CALL probe that many times (the other kinds run once: asking more of them is attn-doctor's bug).
+    What the backend read back from its library beyond `ran` (`Backend.facts`) goes into the outcome's extra."""
     from attn_doctor.backends import Unsupported
 
+    if repeats != 1 and coords.kind is not ProbeKind.CALL:
+        raise ValueError(f"repeats apply to single calls only, not to {coords.kind.name} probes")
+    more = {"repeats": repeats} if repeats != 1 else {}
     try:
-        outcome = RUNNERS[coords.kind](backend, coords, caches, progress)
+        outcome = RUNNERS[coords.kind](backend, coords, caches, progress, **more)
     except Unsupported as exc:
         return ProbeOutcome("skip", reason=str(exc))
+    outcome.extra.update(backend.facts())
     cache = caches.depth if coords.kind is ProbeKind.DEPTH else caches.case
     outcome.extra["reference"] = cache.reference_source
     return outcome

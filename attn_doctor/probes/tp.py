@@ -50,7 +50,8 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     seconds = {"reference": caches.case.reference_seconds, "kernel": time.perf_counter() - start}
     joined = [torch.cat([p[i].detach() for p in parts], dim=2) for i in range(4)]
     metrics = {
-        name: compare(layouts.to_bshd(t, fmt), reference.tensors()[name]) for name, t in zip(TENSORS, joined)
+        name: compare(layouts.to_bshd(t, fmt), reference.tensors()[name], reference.terms(name))
+        for name, t in zip(TENSORS, joined)
     }
     extra = {
         f"{name}_vs_tp1": relative_distance(layouts.to_bshd(t, fmt), layouts.to_bshd(u, fmt))

@@ -7,7 +7,17 @@ import base64
 from html import escape
 
 from attn_doctor.render.env_view import env_rows
-from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci
+from attn_doctor.render.format import (
+    REPEATS_NOTE,
+    TENSOR_TITLES,
+    display_rows,
+    error_text,
+    has_repeats,
+    ratio,
+    ratio_text,
+    repeats_cell,
+    sci,
+)
 from attn_doctor.render.report_data import ReportData, call_rows, compact_env, dq_in_eps, sort_rows, tensor_names
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.depth import depth_lines
@@ -57,20 +67,24 @@ def _table(header: list[str], rows: list[str], sortable: bool = True) -> str:
 
 def _results_table(rows: list[Row]) -> str:
     names = tensor_names(rows)
+    repeated = has_repeats(rows)  # the column only when some call ran more than once (--repeats)
     header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[n]} err" for n in names] + [
-        f"{TENSOR_TITLES[n]} ×base" for n in names] + ["dQ err / ε", "verdict"]
+        f"{TENSOR_TITLES[n]} ×base" for n in names] + ["dQ err / ε"] + (["repeats"] if repeated else []) + [
+        "verdict"]
     out = []
     for row, layout in sort_rows(display_rows(call_rows(rows))):
         cells = [_cell(row.backend), _cell(row.ran if row.tensors else row.reason), _cell(layout),
                  _cell(row.case.short() + row.coords.text())]
         for n in names:
             t = row.tensors.get(n)
-            cells.append(_cell(sci(t.rel_err) if t else "", sort=t.rel_err if t else None,
+            cells.append(_cell(error_text(t) if t else "", sort=t.shown_err if t else None,
                                css="num FAILcell" if t and t.verdict == "FAIL" else "num"))
         for n in names:
             t = row.tensors.get(n)
-            cells.append(_cell(ratio(t.ratio) if t else "", sort=t.ratio if t else None, css="num"))
+            cells.append(_cell(ratio_text(t) if t else "", sort=t.ratio if t else None, css="num"))
         cells.append(_cell(dq_in_eps(row), css="num"))
+        if repeated:
+            cells.append(_cell(repeats_cell(row), css="FAILcell" if row.differing_tensors else ""))
         cells.append(_cell(row.verdict, css="verdict"))
         out.append(f'<tr class="{escape(row.verdict)}">{"".join(cells)}</tr>')
     return _table(header, out)
@@ -104,7 +118,9 @@ def report_html(data: ReportData) -> str:
         parts.append("<h2>Environment</h2>" + _table(["fact", "value"], rows, sortable=False))
     if call_rows(report.rows):
         parts.append("<h2>Results</h2><p>Relative L2 error against float64; ×base is the ratio to the Megatron-local "
-                     "baseline's error on the same inputs. Click a column to sort.</p>" + _results_table(report.rows))
+                     "baseline's error on the same inputs. Click a column to sort."
+                     + (f" {escape(REPEATS_NOTE)}" if has_repeats(report.rows) else "") + "</p>"
+                     + _results_table(report.rows))
     depth = _depth_table(report.rows)
     if depth:
         parts.append("<h2>dQ against depth</h2>" + depth)

@@ -8,10 +8,21 @@ with failing rows first, the reproduce commands, and the long details folded int
 from __future__ import annotations
 
 from attn_doctor.render.env_view import env_markdown
-from attn_doctor.render.format import TENSOR_TITLES, display_rows, md_escape, ratio, sci, tensor_cell
+from attn_doctor.render.format import (
+    REPEATS_NOTE,
+    TENSOR_TITLES,
+    display_rows,
+    has_repeats,
+    md_escape,
+    ratio,
+    repeats_cell,
+    sci,
+    tensor_cell,
+)
 from attn_doctor.render.report_data import ReportData, call_rows, compact_env, dq_in_eps, sort_rows, tensor_names
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.depth import depth_lines
+from attn_doctor.render.format import CANCELLED_NOTE
 from attn_doctor.verdict.rule import rule_sentence
 
 escape = md_escape
@@ -36,19 +47,27 @@ def _verdict(row: Row) -> str:
     return f"**{row.verdict}**" if row.verdict in ("FAIL", "ERROR") else row.verdict
 
 
+def _repeats(row: Row) -> str:
+    text = escape(repeats_cell(row))
+    return f"**{text}**" if row.differing_tensors else text
+
+
 def results_markdown(rows: list[Row]) -> str:
     names = tensor_names(rows)
     shown_rows = call_rows(rows)
     tp_distance = any("dq_vs_tp1" in r.extra for r in shown_rows)
+    repeated = has_repeats(shown_rows)  # the column only when some call ran more than once (--repeats)
     header = ["backend", "ran", "layout", "case"] + [f"{TENSOR_TITLES[n]} err (×base)" for n in names] + [
-        "dQ err / ε"] + (["‖dQ − dQ_TP1‖ / ‖dQ_TP1‖"] if tp_distance else []) + ["verdict"]
+        "dQ err / ε"] + (["‖dQ − dQ_TP1‖ / ‖dQ_TP1‖"] if tp_distance else []) + (
+        ["repeats"] if repeated else []) + ["verdict"]
     body = []
     for row, layout in sort_rows(display_rows(shown_rows)):
         ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
         knobs = row.case.short() + row.coords.text()
         distance = [sci(row.extra["dq_vs_tp1"]) if "dq_vs_tp1" in row.extra else ""] if tp_distance else []
+        repeats = [_repeats(row)] if repeated else []
         body.append([escape(row.backend), escape(ran), escape(layout), escape(knobs)]
-                    + [tensor_text(row, n) for n in names] + [dq_in_eps(row)] + distance + [_verdict(row)])
+                    + [tensor_text(row, n) for n in names] + [dq_in_eps(row)] + distance + repeats + [_verdict(row)])
     return table(header, body) if body else ""
 
 
@@ -77,7 +96,8 @@ def report_markdown(data: ReportData) -> str:
         parts += ["### Results", "",
                   "Relative L2 error against float64 (computed from the same low-precision inputs), in parentheses "
                   "its ratio to the Megatron-local baseline's error on the same inputs; ε is the dtype's machine "
-                  f"epsilon. {rule_sentence()}", "", results, ""]
+                  f"epsilon. {rule_sentence()} {CANCELLED_NOTE}." + (f" {REPEATS_NOTE}" if has_repeats(report.rows) else ""),
+                  "", results, ""]
     depth = depth_markdown(report.rows)
     if depth:
         parts += ["### dQ against depth", "",
@@ -94,8 +114,13 @@ def report_markdown(data: ReportData) -> str:
         parts.append("")
         parts += ["<details><summary>Why each failing row failed</summary>", ""]
         for row in failing:
-            parts.append(f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())}): "
-                         f"{escape(row.reason)}")
+            head = f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())})"
+            whys = [(name, t.why) for name, t in row.tensors.items() if t.verdict == "FAIL" and t.why]
+            if whys:  # one line per failing tensor: its error, its yardstick, and why that yardstick
+                parts.append(f"{head}:")
+                parts += [f"  - {name}: {escape(why)}" for name, why in whys]
+            else:
+                parts.append(f"{head}: {escape(row.reason)}")
         parts += ["", "</details>", ""]
     skipped = data.skipped
     if skipped:

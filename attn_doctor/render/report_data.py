@@ -11,7 +11,7 @@ from attn_doctor.render.env_view import fact_cell
 from attn_doctor.render.format import display_rows
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
-from attn_doctor.verdict.rule import EPS, TENSORS
+from attn_doctor.verdict.rule import TENSORS
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
 
@@ -58,9 +58,10 @@ def tensor_names(rows: list[Row]) -> list[str]:
 
 
 def dq_in_eps(row: Row) -> str:
-    """dQ's relative error in units of the dtype's machine epsilon."""
+    """dQ's error (against its terms' scale, see `attn_doctor.verdict.rule`) in units of the dtype's machine
+    epsilon."""
     dq = row.tensors.get("dq")
-    return f"{dq.rel_err / EPS[row.case.dtype]:.2f}" if dq is not None else ""
+    return f"{dq.err_in_eps:.2f}" if dq is not None else ""
 
 
 def sort_rows(pairs):

@@ -4,6 +4,8 @@ terminal, a pipe and a CI log (`--wide` puts what ran back into a column, for a 
 The results table has one row per backend x layout and one column per tensor; each cell holds the
 tensor's error against float64 over its ratio to the local baseline's error. What ran, the reasons of
 SKIP and ERROR rows and the verdict sentence follow the table as lines, which wrap instead of being cut.
+With --repeats, a row whose calls were not bitwise identical is marked "≠ repeats" under its layout, and a
+line under the table gives the spread.
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from attn_doctor.render.format import TENSOR_TITLES, display_rows, ratio, sci, tensor_cell
+from attn_doctor.render.format import (
+    CANCELLED_NOTE,
+    REPEATS_MARK,
+    TENSOR_TITLES,
+    display_rows,
+    error_text,
+    ratio,
+    ratio_text,
+    sci,
+    tensor_cell,
+)
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import TENSORS, floor_text, multiple_text
 
@@ -26,15 +38,16 @@ def _table(title: str | None = None, caption: str | None = None) -> Table:
 
 
 def results_caption() -> str:
-    return (f"err: relative L2 error vs float64, over ×: its ratio to the local baseline's error; FAIL above "
-            f"{multiple_text()} (plus {floor_text()}) or on NaN/Inf")
+    return (f"err: relative L2 error vs float64, over ×: its ratio to the local baseline's error (never below "
+            f"rounding noise, {floor_text()} of the terms' scale); FAIL above {multiple_text()}, on a systematic "
+            f"error or on NaN/Inf; {CANCELLED_NOTE}")
 
 
 def _cell(row: Row, name: str) -> Text:
     t = row.tensors.get(name)
     if t is None:
         return Text("")
-    text = f"{sci(t.rel_err)}\n{ratio(t.ratio)}"
+    text = f"{error_text(t)}\n{ratio_text(t)}"
     if t.nan or t.inf:
         text += f"\nNaN {t.nan}\nInf {t.inf}"
     return Text(text, style="red" if t.verdict == "FAIL" else "")
@@ -53,6 +66,8 @@ def results_table(rows: list[Row], title: str | None = None, wide: bool = False)
     table.add_column("verdict", no_wrap=True)
     for row, layout in display_rows(rows):
         where = f"{layout}\n{row.coords.label()}" if row.coords.label() else layout
+        if row.differing_tensors:
+            where += f"\n{REPEATS_MARK}"
         table.add_row(row.backend, where, *(_cell(row, name) for name in TENSORS),
                       Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
     return table
@@ -74,7 +89,8 @@ def _wide_results_table(rows: list[Row], title: str | None) -> Table:
         else:
             cells = [Text("")] * len(TENSORS)
             ran = Text("see below", style="dim")
-        table.add_row(row.backend, layout, ran, *cells, Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
+        where = f"{layout}\n{REPEATS_MARK}" if row.differing_tensors else layout
+        table.add_row(row.backend, where, ran, *cells, Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
     return table
 
 
@@ -105,6 +121,56 @@ def notes_lines(rows: list[Row]) -> list[Text]:
     return lines
 
 
+FAILURE_LINES = 12  # at most this many "why" lines under a run's table; the report has all of them
+
+
+def failure_lines(rows: list[Row], limit: int = FAILURE_LINES) -> list[Text]:
+    """Why each failing tensor failed, one line each: its error, the yardstick it was compared with, and why
+    that yardstick."""
+    lines = []
+    for row in rows:
+        for name, t in row.tensors.items():
+            if t.verdict == "FAIL":
+                where = f"{row.layout}, {row.coords.label()}" if row.coords.label() else row.layout
+                lines.append(Text.assemble(("FAIL ", VERDICT_STYLE["FAIL"]), f"{row.backend} ({where}) {name}: {t.why}"))
+    if len(lines) > limit:
+        lines = lines[:limit] + [Text(f"... and {len(lines) - limit} more failing tensors: see the report")]
+    return lines
+
+
+def repeat_lines(rows: list[Row]) -> list[Text]:
+    """With --repeats: the paths whose repeats were all bitwise identical, on one line, then one line per
+    path that was not bitwise reproducible, where, and its largest spread per tensor. Nothing for calls run
+    once."""
+    by_backend: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.repeats:
+            by_backend.setdefault(row.backend, []).append(row)
+    if not by_backend:
+        return []
+    calls = "/".join(str(n) for n in sorted({r.repeats["n"] for group in by_backend.values() for r in group}))
+    same = [backend for backend, group in by_backend.items() if not any(r.differing_tensors for r in group)]
+    lines = []
+    if same:
+        lines.append(Text.assemble(("bitwise identical ", "dim"), f"over {calls} calls: {', '.join(same)}"))
+    for backend, group in by_backend.items():
+        differ = [r for r in group if r.differing_tensors]
+        if not differ:
+            continue
+        spread = {name: max(r.repeats["spread"].get(name, 0.0) for r in differ if name in r.differing_tensors)
+                  for name in TENSORS if any(name in r.differing_tensors for r in differ)}
+        one_case = len({r.case.key() for r in group}) == 1
+        where = (", ".join(dict.fromkeys(r.layout for r in differ)) if one_case
+                 else f"{len(differ)} of {len(group)} probes")
+        mode = " (TE deterministic mode on)" if any(r.extra.get("deterministic", {}).get("honoured")
+                                                    for r in differ) else ""
+        spreads = ", ".join(f"{name} {sci(value)}" for name, value in spread.items())
+        lines.append(Text.assemble((f"{REPEATS_MARK} ", "bold yellow"),
+                                   f"{backend}{mode}: not bitwise reproducible over {calls} calls on {where}; "
+                                   f"largest relative distance to the first call: {spreads}"))
+    return lines
+
+
 def summary_text(report) -> Text:
     return Text(report.summary, style="bold red" if report.faulty else "bold green")
 
@@ -114,7 +180,9 @@ def run_view(report, title: str, wide: bool = False) -> list:
     views: list = [results_table(report.rows, title=title, wide=wide)]
     if not wide:
         views += ran_lines(report.rows)
+    views += repeat_lines(report.rows)
     views += notes_lines(report.rows)
+    views += failure_lines(report.rows)
     views.append(summary_text(report))
     return views
 
@@ -161,6 +229,7 @@ def sweep_view(report) -> list:
     views: list = [tally_table(tally(report.rows))]
     if report.depth_lines:
         views.append(depth_table(report.depth_lines))
+    views += repeat_lines(report.rows)
     views += notes_lines([r for r in report.rows if r.verdict == "ERROR"])
     views.append(summary_text(report))
     return views

@@ -46,14 +46,31 @@ class Row:
         return self.coords.case
 
     def repro_command(self) -> str:
-        """The attn-doctor command that re-runs exactly this row."""
+        """The attn-doctor command that re-runs exactly this row (with its --repeats: a failure on one call
+        of several may not show on a single one)."""
         from attn_doctor.backends import selector
 
-        return self.coords.repro_command(selector(self.coords.backend))
+        command = self.coords.repro_command(selector(self.coords.backend))
+        return f"{command} --repeats {self.repeats['n']}" if self.repeats else command
 
     @property
     def failing_tensors(self) -> list[str]:
         return [name for name, t in self.tensors.items() if t.verdict == FAIL]
+
+    @property
+    def repeats(self) -> dict[str, Any] | None:
+        """A call run more than once (`--repeats`): {"n", "identical", "spread", "worst", "rel_err"} per
+        tensor (see `attn_doctor.probes.repeats`); None for a call run once."""
+        facts = self.extra.get("repeats")
+        if not isinstance(facts, dict) or not all(isinstance(facts.get(k), dict) for k in ("identical", "spread")):
+            return None
+        n = facts.get("n")
+        return facts if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+
+    @property
+    def differing_tensors(self) -> list[str]:
+        """The tensors whose repeats were not all bitwise identical to the first."""
+        return [name for name, same in (self.repeats or {}).get("identical", {}).items() if not same]
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -94,8 +111,17 @@ class Row:
 
 
 def _tensor_verdict(name: str, d: dict[str, Any]) -> TensorVerdict:
+    # Verdicts stored before errors were scaled by the terms: the relative errors were what was judged.
+    d = {"scaled_err": d.get("rel_err"), "baseline_scaled_err": d.get("baseline_rel_err"),
+         "yardstick": d.get("baseline_rel_err"), **d}
     verdict = TensorVerdict(**d)
     for key, value in vars(verdict).items():
-        if key not in ("verdict", "why") and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
+        if key in ("verdict", "why", "yardstick_kind"):
+            if not isinstance(value, str):
+                raise ValueError(f"tensor {name}: {key} is {value!r}, not text")
+        elif key in ("bias_failed", "borderline"):
+            if not isinstance(value, bool):
+                raise ValueError(f"tensor {name}: {key} is {value!r}, not true or false")
+        elif not isinstance(value, numbers.Real) or isinstance(value, bool):
             raise ValueError(f"tensor {name}: {key} is {value!r}, not a number")
     return verdict

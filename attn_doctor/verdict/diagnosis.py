@@ -9,8 +9,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from attn_doctor.backends import BASELINE
 from attn_doctor.verdict.depth import depth_findings, depth_lines, depth_sentence
-from attn_doctor.verdict.rule import ERROR, FAIL, PASS, SKIP
+from attn_doctor.verdict.rule import BORDERLINE, ERROR, FAIL, NOISE_YARDSTICK, PASS, SKIP
 from attn_doctor.verdict.view import RowView
 
 
@@ -26,6 +27,9 @@ class Faulty:
     cases: tuple[str, ...]
     worst_ratio: float
     nonfinite: tuple[str, ...] = ()  # failing tensors that hold NaN or Inf
+    borderline: bool = False  # every failing tensor fails within BORDERLINE of its threshold
+    systematic: tuple[str, ...] = ()  # failing tensors that fail only by a systematic error (bias)
+    against_noise: bool = False  # the worst ratio is to rounding noise, not to the baseline's error
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +41,8 @@ class Faulty:
             "cases": list(self.cases),
             "worst_ratio": self.worst_ratio,
             "nonfinite": list(self.nonfinite),
+            "borderline": self.borderline,
+            "systematic": list(self.systematic),
         }
 
 
@@ -53,6 +59,9 @@ def find_faulty(rows: list[RowView]) -> list[Faulty]:
         ratios = [t.ratio for row in bad for t in row.tensors.values() if t.verdict == FAIL]
         nonfinite = [name for name in tensors if any(
             (t := row.tensors.get(name)) is not None and t.verdict == FAIL and (t.nan or t.inf) for row in bad)]
+        failed = [t for row in bad for t in row.tensors.values() if t.verdict == FAIL]
+        systematic = [name for name in tensors if all(
+            t.bias_failed for row in bad if (t := row.tensors.get(name)) is not None and t.verdict == FAIL)]
         faulty.append(
             Faulty(
                 backend=backend,
@@ -63,6 +72,10 @@ def find_faulty(rows: list[RowView]) -> list[Faulty]:
                 cases=tuple(dict.fromkeys(row.case.short() for row in bad)),
                 worst_ratio=max(ratios) if ratios else math.nan,
                 nonfinite=tuple(nonfinite),
+                borderline=bool(failed) and all(t.borderline for t in failed) and not any(
+                    row.verdict == ERROR for row in bad),
+                systematic=tuple(systematic),
+                against_noise=bool(failed) and max(failed, key=lambda t: t.ratio).yardstick_kind == NOISE_YARDSTICK,
             )
         )
     return faulty
@@ -116,6 +129,10 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
             "No backend could run here: every row was skipped."
     elif not faulty:
         text = f"All {len(tested)} tested paths agree with float64 as closely as a correct implementation in this dtype."
+        close = borderline_passes(rows)
+        if close:
+            text += (f" Borderline: {', '.join(close)} pass{'es' if len(close) == 1 else ''} within "
+                     f"{BORDERLINE:g}x of the threshold; {CONFIRM}.")
     else:
         sentences = []
         for f in faulty:
@@ -124,14 +141,21 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
             if f.verdict == FAIL:
                 if f.nonfinite:
                     how = f" (NaN/Inf in {', '.join(f.nonfinite)})"
+                elif f.systematic and set(f.systematic) == set(f.tensors):
+                    how = " (a systematic error below the noise threshold)"
                 elif not math.isnan(f.worst_ratio):
-                    how = f" (up to {f.worst_ratio:.1f}x the baseline's error)"
+                    yardstick = "rounding noise" if f.against_noise else "the baseline's error"
+                    how = f" (up to {f.worst_ratio:.1f}x {yardstick})"
                 else:
                     how = ""
-                sentences.append(f"{f.backend}{ran} computes {_tensor_phrase(f.tensors)}{how} on layout {where}")
+                label = "borderline: " if f.borderline else ""
+                sentences.append(f"{label}{f.backend}{ran} computes {_tensor_phrase(f.tensors)}{how} on layout {where}")
             else:
                 sentences.append(f"{f.backend}{ran} crashed or hung on layout {where}")
         text = "Faulty: " + "; ".join(sentences) + "."
+        if any(f.borderline for f in faulty):
+            text += (f" A borderline failure is within {BORDERLINE:g}x of the threshold: {CONFIRM} before "
+                     "calling it a fault.")
     internal = [row for row in rows if row.verdict == ERROR and row.internal]
     if internal:
         names = ", ".join(dict.fromkeys(row.backend for row in internal))
@@ -139,6 +163,19 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
                  f"{'s' if len(internal) > 1 else ''}): a bug in attn-doctor, not in the kernel; see the ERROR rows.")
     depth = depth_sentence(depth_findings(depth_lines(rows)))
     return f"{text} {depth}" if depth else text
+
+
+CONFIRM = "confirm with --repeats 5, another --seed, or --dtype fp32"
+
+
+def borderline_passes(rows: list[RowView]) -> list[str]:
+    """'backend tensor' for each tensor that passes within BORDERLINE of its threshold."""
+    close = []
+    for row in rows:
+        for name, t in row.tensors.items():
+            if t.verdict == PASS and t.borderline and not row.coords.is_baseline(BASELINE):
+                close.append(f"{row.backend} {name}")
+    return list(dict.fromkeys(close))
 
 
 def exit_code(rows: list[RowView], requested: list[str] | None = None) -> int:

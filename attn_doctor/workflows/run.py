@@ -38,6 +38,7 @@ class RunRequest:
     cp_comm_type: str | None = None
     nproc: int | None = None  # real ranks; None: one process's workers
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards)
+    repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
 
     def check(self) -> None:
         """Refuse what cannot run whatever the machine: a grid that contradicts itself, options that do not go
@@ -51,6 +52,22 @@ class RunRequest:
         if self.nproc is not None and self.layouts_given:
             raise BadInput("--layout does not apply to --nproc runs (every rank gets its shard as a contiguous "
                            "copy); drop --layout or --nproc")
+        check_repeats(self.repeats)
+        if self.repeats > 1 and (self.tp > 1 or self.nproc is not None):
+            raise BadInput(repeats_refusal("--nproc ranks" if self.nproc is not None else "TP shards (--tp)",
+                                           "--nproc" if self.nproc is not None else "--tp"))
+
+
+def check_repeats(repeats: object) -> None:
+    """--repeats is a whole number >= 1."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise BadInput(f"--repeats takes a whole number >= 1, got {repeats!r}")
+
+
+def repeats_refusal(what: str, flag: str) -> str:
+    """Why --repeats N > 1 is refused beside probes that run once (it would be silently ignored there)."""
+    return (f"--repeats applies to single calls (the layouts); {what} run once: drop --repeats, or run the layouts "
+            f"without {flag}")
 
 
 def plan(request: RunRequest) -> list[Coords]:
@@ -105,12 +122,12 @@ def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
     from attn_doctor.execution.session import Session
 
     coords = plan(request)
-    check_fits(runnable(coords, request.specs, request.device), request.device)
+    check_fits(runnable(coords, request.specs, request.device), request.device, repeats=request.repeats)
     progress = progress or ProgressSink()
     start = time.perf_counter()
     progress.begin(len(coords), "probes")
     try:
-        with Session(request.device, request.timeout_s, progress=progress) as session:
+        with Session(request.device, request.timeout_s, progress=progress, repeats=request.repeats) as session:
             rows = session.run(coords, on_row=lambda row: progress.advance(1, f"{row.backend} {row.layout}"))
             facts, startup = session.facts, session.startup_seconds
             reference_s = session.references.seconds

@@ -33,6 +33,7 @@ class SweepRequest:
     timeout_s: float = 300.0
     command: str = "attn-doctor sweep"
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards and depth stacks)
+    repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
 
 
 @dataclass
@@ -63,14 +64,34 @@ def check_resumable(directory: Path, done_rows: list[Row], points: list[Point], 
                        "sweep with --out")
 
 
+def check_same_repeats(directory: Path, done_rows: list[Row], repeats: int) -> None:
+    """Refuse to resume a sweep with another --repeats: its points would mix verdicts on one call and on the
+    worst of several."""
+    from attn_doctor.core.coords import ProbeKind
+
+    ran = sorted({row.repeats["n"] if row.repeats else 1 for row in done_rows
+                  if row.coords.kind is ProbeKind.CALL and row.tensors})
+    if ran and ran != [repeats]:
+        raise BadInput(f"--resume {directory}: that sweep ran each call {' or '.join(map(str, ran))} time(s), this "
+                       f"command asks for --repeats {repeats}; resume with the same --repeats, or start a new sweep "
+                       "with --out")
+
+
 def prepare(request: SweepRequest) -> SweepPlan:
     """Check the request against what is on disk and what can run here, before any work starts."""
     from attn_doctor.execution.budget import check_fits
-    from attn_doctor.workflows.run import runnable
+    from attn_doctor.workflows.run import check_repeats, repeats_refusal, runnable
 
+    check_repeats(request.repeats)
+    if request.repeats > 1 and (request.depths or request.degrees):
+        raise BadInput(repeats_refusal("depth stacks (--layers)" if request.depths else "TP shards (--tp)",
+                                       "--layers/--tp (or the recipe's grid.layers/grid.tp)"))
     if request.layouts_given and (request.depths or request.degrees):
         raise BadInput(f"--layout does not apply to {'depth stacks (--layers)' if request.depths else 'TP shards (--tp)'}"
                        "; drop --layout, or sweep the layouts without --layers/--tp")
+    if request.depths and any(case.inputs != "normal" for case in request.cases):
+        raise BadInput("--inputs does not apply to depth stacks (--layers): each layer's q, k, v come from the "
+                       "stack's seeded weights; drop --inputs, or sweep the input distributions without --layers")
     log = ResultsLog(request.directory)
     if request.resume and not log.path.exists():
         raise BadInput(f"--resume {request.directory}: no {log.path.name} there; start the sweep with --out instead")
@@ -80,10 +101,12 @@ def prepare(request: SweepRequest) -> SweepPlan:
     done_rows, done_points = log.load()
     points = plan_points(request.cases, request.layouts, request.depths, request.degrees)
     check_resumable(request.directory, done_rows, points, request.specs)
+    check_same_repeats(request.directory, done_rows, request.repeats)
     todo = [p for p in points if p.id not in done_points]
     plan = SweepPlan(request, log, points, todo, done_rows)
     can_run = set(runnable([c for p in points for c in p.coords(request.specs)], request.specs, request.device))
-    check_fits([c for p in todo for c in p.coords(request.specs) if c in can_run], request.device, plan.workers)
+    check_fits([c for p in todo for c in p.coords(request.specs) if c in can_run], request.device, plan.workers,
+               repeats=request.repeats)
     return plan
 
 
@@ -105,7 +128,8 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
         plan.log.append(plan.todo[index].id, point_rows)  # streamed as each point completes, in any order
         progress.advance(0, f"{plan.todo[index].case.short()} [{plan.todo[index].kind.name.lower()}] done")
 
-    with Session(request.device, request.timeout_s, workers_per_family=plan.workers, progress=progress) as session:
+    with Session(request.device, request.timeout_s, workers_per_family=plan.workers, progress=progress,
+                 repeats=request.repeats) as session:
         for point_rows in session.run_groups(groups, on_row=lambda row: progress.advance(1), on_group=point_done):
             rows.extend(point_rows)
         facts = session.facts

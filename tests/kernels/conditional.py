@@ -90,3 +90,31 @@ def head_dim_gt_40(q, k, v, *, causal: bool, softmax_scale: float):
     """out wrong only when head_dim > 40 (bisected in steps of 8: fails at 48, passes at 40)."""
     trigger = q.shape[-1] > 40
     return _attend(q, k, v, causal, softmax_scale, "out" if trigger else None)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; the gradient scaled by `factor` in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def flash_dq_seq_ge_256(q, k, v, *, causal: bool, softmax_scale: float):
+    """PyTorch's flash SDPA kernel in the input dtype (correct, with the rounding noise of a flash-style
+    kernel where the exact dq cancels: one key, a window of 0), but dq 5% too large once seq >= 256: the
+    kernel "wrong only on long sequences" whose bisect must find seq 256, not a degenerate case."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if q.shape[1] >= 256:
+        q = _ScaledGradient.apply(q, DQ_SCALE)
+    group = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=softmax_scale)
+    return out.transpose(1, 2)
