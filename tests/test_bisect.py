@@ -8,7 +8,6 @@ that bisect's --json document, its stdout and its repro script.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re

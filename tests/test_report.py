@@ -176,7 +176,7 @@ def md_tables(md: str) -> list[tuple[list[str], list[list[str]]]]:
     """(header, body rows) of every table, after checking each is a well-formed GitHub table."""
     tables = []
     for block in table_blocks(md):
-        assert len(block) >= 3, f"a table needs a header, a delimiter row and a body:\n" + "\n".join(block)
+        assert len(block) >= 3, "a table needs a header, a delimiter row and a body:\n" + "\n".join(block)
         assert DELIMITER.match(block[1]), f"second line is not a delimiter row: {block[1]!r}"
         header = split_cells(block[0])
         assert len(split_cells(block[1])) == len(header)

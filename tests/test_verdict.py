@@ -6,7 +6,6 @@ describe (all keys equal, say) can be made by patching the inputs the probe draw
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 

@@ -238,6 +238,11 @@ class TEAttention(Backend):
             return "TE attention needs a CUDA GPU; this run is on the CPU"
         if not te_installed():
             return "transformer_engine is not installed (pip install 'attn-doctor[te]')"
+        if case.window is not None and case.seq != case.seq_k:
+            # Seen on the H200 (reports/h200/verdicts): with seq_q != seq_kv, te.flash and te.unfused place
+            # the window from the bottom-right corner (TE's window convention), the reference from the top-left.
+            return ("TE aligns a sliding window to the bottom-right corner when seq != seq-kv; attn-doctor's "
+                    "windows are top-left aligned (use --seq-kv equal to --seq with --window)")
         return None
 
     @classmethod

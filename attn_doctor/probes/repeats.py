@@ -56,8 +56,9 @@ def relative_distance(x: torch.Tensor, first: torch.Tensor) -> float:
 
 
 def _badness(m: TensorMetrics) -> tuple:
-    """How bad one repeat's tensor is: NaN/Inf first, then the error, then the worst head's."""
-    return (m.nan + m.inf, m.rel_err, m.worst_head_rel_err)
+    """How bad one repeat's tensor is: NaN/Inf first, then the error (against the terms' scale), then the worst
+    head's."""
+    return (m.nan + m.inf, m.scaled_err, m.worst_head_scaled_err)
 
 
 class Repeats:
