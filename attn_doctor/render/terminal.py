@@ -252,6 +252,8 @@ def bisect_tables(result, backend: str, diagnosis: dict) -> list:
     else:
         lines.append(Text("necessary conditions: none — it fails on the plainest case tried", style="bold"))
     lines.append(Text(f"first wrong: {diagnosis.get('first_wrong')}"))
+    if diagnosis.get("minimal_case_checked"):
+        lines.append(Text(f"minimal case checked on a correct path: {diagnosis['minimal_case_checked']}"))
     if diagnosis.get("first_layer_out_of_band") is not None:
         lines.append(Text(f"first layer (from the deepest) whose dQ leaves {multiple_text()} the baseline: "
                           f"{diagnosis['first_layer_out_of_band']}"))

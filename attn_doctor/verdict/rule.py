@@ -168,13 +168,15 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
         verdict, why, margin = FAIL, f"{candidate.nan} NaN and {candidate.inf} Inf where float64 has none", math.inf
     elif ratio > multiple:
         verdict = FAIL
-        why = _error_why("error", err, yardstick, multiple, yardstick_kind, to_shown, cancellation, noise, dtype)
+        why = _error_why("error", err, yardstick, multiple, yardstick_kind, to_shown, cancellation < CANCELLED,
+                         noise, dtype)
     elif head_ratio > multiple:
         verdict = FAIL
         head_kind = BASELINE_YARDSTICK if base_head_err >= head_noise else NOISE_YARDSTICK
         # Per-head figures are on the scaled footing (each head cancels, or not, on its own).
         why = _error_why("worst head's error", head_err, head_yardstick, multiple, head_kind,
-                         1.0 if math.isnan(candidate.scaled_err) else 0.0, 0.0, head_noise, dtype)
+                         1.0 if math.isnan(candidate.scaled_err) else None, cancellation < CANCELLED, head_noise,
+                         dtype)
     elif bias is not None:
         verdict, (margin, why) = FAIL, bias
     else:
@@ -205,17 +207,17 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
     )
 
 
-def _error_why(what: str, err: float, yardstick: float, multiple: float, kind: str, to_shown: float,
-               cancellation: float, noise: float, dtype: str) -> str:
-    """One line: the error, the yardstick it was compared with, and why that yardstick. `to_shown` 0: the
-    figures are given on the terms' scale."""
-    units = "relative" if to_shown and cancellation >= CANCELLED else "of its terms' scale"
-    to_shown = to_shown or 1.0
+def _error_why(what: str, err: float, yardstick: float, multiple: float, kind: str, to_shown: float | None,
+               cancelled: bool, noise: float, dtype: str) -> str:
+    """One line: the error, the yardstick it was compared with, and why that yardstick. `to_shown` converts
+    scaled figures into the ones tables show; None: give them on the terms' scale."""
+    units = "relative" if to_shown is not None and not cancelled else "of its terms' scale"
+    to_shown = 1.0 if to_shown is None else to_shown
     if kind == BASELINE_YARDSTICK:
         because = "the local baseline's own error on these inputs"
     else:
         because = (f"rounding noise, {noise / EPS[dtype]:.2g} eps of the terms' scale: the baseline's own error "
-                   "is below it" + (", as the exact tensor cancels here" if cancellation < CANCELLED else ""))
+                   "is below it" + (", as the exact tensor cancels here" if cancelled else ""))
     return (f"{what} {err * to_shown:.3g} ({units}) > {multiple:g} x {yardstick * to_shown:.3g} "
             f"({because})")
 
