@@ -6,6 +6,7 @@
 #   PART=2  the seeded false-alarm sweep over dtypes, masks, lengths, head dims and input distributions
 #   PART=3  --repeats 3 (bitwise reproducibility, TE's deterministic mode); a dQ 1% too large in bf16
 #   PART=4  the float64 reference with and without the term magnitudes
+#   PART=5  bisect of te.flash (FA4) under a causal mask, its repro; TE rows on a window with seq != seq-kv
 set -u
 PART=${PART:-1}
 export PYTHONPATH=$PWD
@@ -52,6 +53,14 @@ if [ "$PART" = 3 ]; then
   step repeats $AD run --repeats 3 --layout contiguous --layout transposed --json "$O/repeats.json"
   step bias $AD run --kernel tests/kernels/faulty.py:dq_one_percent --backend local --layout contiguous \
     --json "$O/bias.json"
+fi
+
+if [ "$PART" = 5 ]; then
+  step bisect-te-flash $AD bisect --backend te.flash --batch 2 --seq 128 --heads 4 --head-dim 64 --mask causal \
+    --layout contiguous --out "$O/bisect-te-flash" --json "$O/bisect-te-flash/bisect.json"
+  for script in "$O"/bisect-te-flash/repro_*.py; do step repro-te-flash python3 "$script"; done
+  step window-cross-attention $AD run --backend te --backend local --seq 64 --seq-kv 16 --window 0,0 --mask none \
+    --layout contiguous --json "$O/window-cross-attention.json"
 fi
 
 tar -C /tmp -czf "$OUT/verdicts-$PART.tgz" "verdicts-$PART"
