@@ -616,3 +616,32 @@ def test_bisect_from_results_starts_at_the_failing_row(row, layout, run_cli, res
     repro = Path(doc["repro"])
     assert repro.is_file() and repro.resolve().parent == faulty.resolve().parent  # beside --from
     assert not (tmp_path / "reports").exists()
+
+
+def test_a_minimal_case_a_correct_path_also_fails_is_set_aside(monkeypatch):
+    """confirm_minimal walks back from the minimal case to the last simplification on which the correct
+    path (sdpa.math) passes: that is the case reported."""
+    from types import SimpleNamespace
+
+    from attn_doctor.bisect import driver
+    from attn_doctor.bisect.engine import BisectResult
+
+    kernel = parse_kernel_spec(f"{COND}:correct")
+    start, middle, smallest = (coords_at(make_case(batch=1, seq=seq, heads=2, head_dim=16), backend=kernel)
+                               for seq in (64, 16, 1))
+    outcomes = {c: Outcome("FAIL", f"seq {c.case.seq}", ("dq",)) for c in (start, middle, smallest)}
+    result = BisectResult(start, outcomes[start], smallest, outcomes[smallest], [], [], [middle, smallest], outcomes)
+    control_fails_at = {1}
+    checked = []
+
+    def probe_row(session, coords):
+        checked.append((coords.backend.name, coords.case.seq))
+        return SimpleNamespace(verdict="FAIL" if coords.case.seq in control_fails_at else "PASS")
+
+    monkeypatch.setattr(driver, "probe_row", probe_row)
+    note = driver.confirm_minimal(None, result)
+    assert result.minimal == middle and result.minimal_outcome.reason == "seq 16"
+    assert "set aside" in note and checked == [("sdpa.math", 1), ("sdpa.math", 16)]
+    control_fails_at = {1, 16, 64}
+    result = BisectResult(start, outcomes[start], smallest, outcomes[smallest], [], [], [middle, smallest], outcomes)
+    assert "fails on every case tried" in driver.confirm_minimal(None, result)

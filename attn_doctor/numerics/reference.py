@@ -53,9 +53,6 @@ from dataclasses import dataclass
 
 import torch
 
-# The scores' unit roundoff over the inputs' (see "Term magnitudes"), by the dtype names cases use.
-SCORE_PRECISION = {"bf16": 2.0**-16, "fp16": 2.0**-13, "fp32": 1.0}
-
 # Bytes for float64 score tiles. On CUDA: at seq 131072, 1024 rows of 4 heads' probabilities kept (4 GiB),
 # 18.6 GiB in all with 16 heads.
 DEFAULT_BLOCK_BYTES = {"cuda": 9 << 29, "cpu": 1 << 27}
@@ -434,6 +431,11 @@ def _score_precision(dtype: torch.dtype) -> float:
     inputs = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
     scores = torch.finfo(torch.float32).eps if inputs >= torch.finfo(torch.float32).eps else inputs
     return scores / inputs
+
+
+# The same by the dtype names cases use (for the standalone repro scripts).
+SCORE_PRECISION = {name: _score_precision(dtype)
+                   for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))}
 
 
 def _score_bound_of_all(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
