@@ -14,11 +14,9 @@ What a row's `extra["repeats"]` holds (only when N > 1: a single call adds nothi
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from attn_doctor.numerics.metrics import CHUNK_ELEMENTS, TensorMetrics
+from attn_doctor.numerics.metrics import TensorMetrics, relative_distance
 
 # Integer types of each element size: bitwise equality that also holds for NaN payloads and -0.0.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -32,27 +30,6 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if bits is None or a.is_complex():
         return torch.equal(a, b)
     return torch.equal(a.view(bits), b.view(bits))
-
-
-def relative_distance(x: torch.Tensor, first: torch.Tensor) -> float:
-    """||x - first||_2 / ||first||_2 of bshd tensors in float64, over the entries finite in both, chunk by
-    chunk along the sequence (no full-size float64 copy is made). 0 when they are equal; inf when `first`
-    is all zero and `x` is not."""
-    step = max(1, CHUNK_ELEMENTS // max(1, first[:, :1].numel()))
-    f64 = torch.float64
-    diff_sq = torch.zeros((), dtype=f64, device=first.device)
-    ref_sq = torch.zeros((), dtype=f64, device=first.device)
-    for start in range(0, first.shape[1], step):
-        a = x[:, start:start + step].to(device=first.device, dtype=f64)
-        b = first[:, start:start + step].to(f64)
-        both = torch.isfinite(a) & torch.isfinite(b)
-        a, b = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
-        diff_sq += (a - b).square().sum()
-        ref_sq += b.square().sum()
-    diff, ref = math.sqrt(float(diff_sq)), math.sqrt(float(ref_sq))
-    if ref > 0:
-        return diff / ref
-    return 0.0 if diff == 0 else math.inf
 
 
 def _badness(m: TensorMetrics) -> tuple:

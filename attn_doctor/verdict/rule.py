@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from attn_doctor.numerics.metrics import TensorMetrics
+from attn_doctor.numerics.metrics import TensorMetrics, safe_ratio
 
 PASS, FAIL, SKIP, ERROR = "PASS", "FAIL", "SKIP", "ERROR"
 TENSORS = ("out", "dq", "dk", "dv")
@@ -121,12 +121,6 @@ def _scaled(m: TensorMetrics) -> tuple[float, float]:
     return m.scaled_err, m.worst_head_scaled_err
 
 
-def _ratio(err: float, base: float) -> float:
-    if base > 0:
-        return err / base
-    return 0.0 if err == 0 else math.inf
-
-
 def _bias_check(name: str, candidate: TensorMetrics, baseline: TensorMetrics, dtype: str
                 ) -> tuple[float, str] | None:
     """(margin, why) of the most significant systematic error that FAILs, or None. margin: |bias| over the
@@ -157,13 +151,14 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
     base_err, base_head_err = _scaled(baseline)
     yardstick, head_yardstick = max(base_err, noise), max(base_head_err, head_noise)
     yardstick_kind = BASELINE_YARDSTICK if base_err >= noise else NOISE_YARDSTICK
-    ratio, head_ratio = _ratio(err, yardstick), _ratio(head_err, head_yardstick)
+    ratio, head_ratio = safe_ratio(err, yardstick), safe_ratio(head_err, head_yardstick)
     cancellation = candidate.cancellation if not math.isnan(candidate.scaled_err) else 1.0
     # Display units: relative to ||ref||, or to the terms' scale where the tensor cancels.
     to_shown = 1.0 if cancellation < CANCELLED or math.isnan(candidate.scaled_err) else 1 / cancellation
     nonfinite = candidate.nan + candidate.inf
     bias = _bias_check(kind, candidate, baseline, dtype)
     margin = max(ratio, head_ratio) / multiple
+    bias_failed = False
     if nonfinite and not baseline.ref_nonfinite:
         verdict, why, margin = FAIL, f"{candidate.nan} NaN and {candidate.inf} Inf where float64 has none", math.inf
     elif ratio > multiple:
@@ -177,8 +172,9 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
         why = _error_why("worst head's error", head_err, head_yardstick, multiple, head_kind,
                          1.0 if math.isnan(candidate.scaled_err) else None, cancellation < CANCELLED, head_noise,
                          dtype)
-    elif bias is not None:
+    elif bias is not None:  # the error alone passes: the failure is the systematic error
         verdict, (margin, why) = FAIL, bias
+        bias_failed = True
     else:
         verdict, why = PASS, ""
     return TensorVerdict(
@@ -202,7 +198,7 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
         cancellation=cancellation,
         bias=candidate.bias,
         bias_z=candidate.bias_z,
-        bias_failed=bias is not None and verdict == FAIL and not (ratio > multiple or head_ratio > multiple),
+        bias_failed=bias_failed,
         borderline=1 / BORDERLINE <= margin <= BORDERLINE,
     )
 
