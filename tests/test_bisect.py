@@ -276,7 +276,7 @@ def test_engine_every_categorical_knob_left_unsimplified_is_named():
     probe, _ = _recording(lambda c: c.case.mask == "causal" or c.case.dtype == "bf16")
     result = Bisector(probe).run(start)
     minimal = result.minimal.case
-    assert (minimal.mask, minimal.dtype) in (("none", "bf16"), ("causal", "fp32"))
+    assert (minimal.mask, minimal.dtype) in (("no_mask", "bf16"), ("causal", "fp32"))
     kept = "dtype" if minimal.dtype == "bf16" else "mask"
     assert kept in _necessary(result)
 
@@ -308,7 +308,7 @@ STARTS = {
 }
 
 # What each bisect must reach: the necessary conditions (knob -> failing, passing) and the minimal case.
-PLAIN = dict(batch=1, seq=1, heads=1, kv_heads=1, seq_kv=1, head_dim=8, dtype="fp32", mask="none", window=None,
+PLAIN = dict(batch=1, seq=1, heads=1, kv_heads=1, seq_kv=1, head_dim=8, dtype="fp32", mask="no_mask", window=None,
              seed=1234)
 EXPECTED = {
     "seq_ge_300_noncontig": ({"layout": ("head_slice", "contiguous"), "seq": (300, "299")},

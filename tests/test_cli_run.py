@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from attn_doctor.verdict.rule import TENSORS
+from attn_doctor.verdict.rule import CORE_TENSORS as TENSORS
 from cli_checks import one_line_error
 
 TENSOR_KEYS = {"rel_err", "max_abs_err", "cosine", "baseline_rel_err", "ratio", "verdict"}
@@ -217,8 +217,8 @@ def test_recipe_is_loaded_and_flags_override_it(tmp_path, monkeypatch, run_cli):
     for row in doc["results"]:
         assert row["verdict"] == "PASS"
         assert row["case"] == {"batch": 1, "seq": 32, "heads": 4, "head_dim": 16, "kv_heads": 2, "seq_kv": 32,
-                               "dtype": "fp16", "mask": "none", "window": None, "seed": 7}
-    assert "b1 s32 h4 kv2 d16 fp16 none" in result.stdout
+                               "dtype": "fp16", "mask": "no_mask", "window": None, "seed": 7}
+    assert "b1 s32 h4 kv2 d16 fp16 no_mask" in result.stdout
 
 
 # --- bad input: exit 2, one line, nothing run ---------------------------------------------------------------

@@ -15,12 +15,13 @@ from attn_doctor.backends import BackendSpec
 from attn_doctor.backends.kernel import parse_kernel_spec
 from attn_doctor.core.case import make_case
 from attn_doctor.verdict.diagnosis import find_faulty, summarize
-from attn_doctor.core.layouts import LAYOUTS
+from attn_doctor.core.layouts import LAYOUTS, layout_unsupported
 from attn_doctor.numerics.metrics import TensorMetrics, compare
 from attn_doctor.numerics.reference import attention_reference, naive_reference
 from attn_doctor.execution.session import Session
 from attn_doctor.probes.plan import plan_calls
-from attn_doctor.verdict.rule import EPS, FAIL, PASS, SKIP, TENSORS, judge_tensor
+from attn_doctor.verdict.rule import CORE_TENSORS as TENSORS
+from attn_doctor.verdict.rule import EPS, FAIL, PASS, SKIP, judge_tensor
 
 FAULTY_NAMES = ("correct_fp32", "dq_two_percent", "causal_shift_backward", "nan_one_head_dk", "ignores_strides")
 VIEW_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "contiguous")
@@ -382,7 +383,7 @@ def test_faulty_kernels_ran_on_every_layout(faulty_outcome):
     for name in FAULTY_NAMES:
         for case in FAULTY_CASES:
             got = {r.layout for r in rows if r.backend == name and r.case == case and r.verdict != SKIP}
-            want = set(LAYOUTS) - ({"sb3hd_packed"} if case.num_kv_heads != case.heads else set())
+            want = {layout for layout in LAYOUTS if layout_unsupported(layout, case) is None}
             assert got == want, (name, case.short())
     assert not [r for r in rows if r.verdict == "ERROR"]
 

@@ -622,7 +622,7 @@ def test_grid_cross_product():
     assert depths is None and degrees is None
     assert len(cases) == 8
     assert {(c.seq, c.head_dim, c.mask) for c in cases} == {
-        (s, d, m) for s in (16, 32) for d in (8, 16) for m in ("causal", "none")}
+        (s, d, m) for s in (16, 32) for d in (8, 16) for m in ("causal", "no_mask")}
     assert len({c.key() for c in cases}) == 8
     assert len(plan_points(cases, ["contiguous"], None, None)) == 8
 
@@ -671,7 +671,7 @@ def test_recipe_grid(tmp_path):
     recipe.write_text(RECIPE)
     cases, depths, degrees = _grid(recipe=str(recipe))
     assert depths == [1, 2] and degrees == [1, 2]
-    assert {(c.seq, c.mask) for c in cases} == {(16, "causal"), (32, "causal"), (16, "none"), (32, "none")}
+    assert {(c.seq, c.mask) for c in cases} == {(16, "causal"), (32, "causal"), (16, "no_mask"), (32, "no_mask")}
     assert all(c.batch == 1 and c.heads == 2 and c.head_dim == 8 for c in cases)
     # flags override the recipe's lists
     cases, depths, degrees = _grid(recipe=str(recipe), seq="24", layers="3", tp="1")
@@ -687,7 +687,7 @@ def test_cli_grid_runs_the_cross_product(tmp_path, run_cli):
     cases = {json.dumps(r["case"], sort_keys=True) for r in doc["results"]}
     assert len(cases) == 8
     assert {(r["case"]["seq"], r["case"]["head_dim"], r["case"]["mask"]) for r in doc["results"]} == {
-        (s, d, m) for s in (16, 32) for d in (8, 16) for m in ("causal", "none")}
+        (s, d, m) for s in (16, 32) for d in (8, 16) for m in ("causal", "no_mask")}
     assert len(doc["results"]) == 8 * 2 and all(r["verdict"] == "PASS" for r in doc["results"])
     tally = _norm(result.stdout)
     assert "sweep summary" in tally and "local 16 0 0 0" in tally
@@ -739,7 +739,7 @@ def window_sweep(tmp_path_factory, run_cli):
 def test_windows_and_cross_attention_reach_sdpa_and_baseline(window_sweep):
     _, doc = window_sweep
     cases = {(r["case"]["seq_kv"], r["case"]["mask"], tuple(r["case"]["window"])) for r in doc["results"]}
-    assert cases == {(skv, m, (w, 0)) for skv in (32, 48) for m in ("causal", "none") for w in (4, 8)}
+    assert cases == {(skv, m, (w, 0)) for skv in (32, 48) for m in ("causal", "no_mask") for w in (4, 8)}
     for row in doc["results"]:
         if row["backend"] not in ("local", "sdpa.math"):
             continue

@@ -217,16 +217,18 @@ def test_known_defects_match_the_deterministic_path_as_deterministic():
     assert not any("2798" in line for line in known_defects(report(["te.fused", "te.unfused"])))
 
 
-def test_a_window_on_cross_attention_is_skipped_for_te(monkeypatch):
+def test_a_window_on_cross_attention_runs_on_te_aligned_as_te_aligns_it(monkeypatch):
     """TE places a sliding window from the bottom-right corner when seq_q != seq_kv (seen on the H200:
-    reports/h200/verdicts), the reference from the top-left: such a case would be judged against another
-    mask, so TE rows SKIP it with the reason; equal lengths, or no window, run."""
+    reports/h200/verdicts); issue 15 skipped such cases for TE. The reference now aligns windows as TE does
+    (attn_doctor.numerics.masks), so TE rows run them."""
     from attn_doctor.backends import select, static_skip
     from attn_doctor.core.case import make_case
+    from attn_doctor.numerics.masks import visibility
 
     monkeypatch.setattr(te_backend, "te_installed", lambda: True)
     spec = next(s for s in select(["te"]) if s.name == "te.unfused")
-    reason = static_skip(spec, make_case(seq=64, seq_kv=16, mask="none", window=(0, 0)), "cuda")
-    assert reason and "bottom-right" in reason
-    assert static_skip(spec, make_case(seq=64, mask="none", window=(0, 0)), "cuda") is None
-    assert static_skip(spec, make_case(seq=64, seq_kv=16, mask="none"), "cuda") is None
+    cross = make_case(seq=64, seq_kv=16, mask="none", window=(0, 0))
+    assert static_skip(spec, cross, "cuda") is None
+    assert visibility(cross, 64, 16).diag == 16 - 64  # bottom-right: query 48 sees key 0
+    causal = make_case(seq=64, seq_kv=16, mask="causal", window=(4, 0))
+    assert visibility(causal, 64, 16).diag == 0  # causal windows stay top-left, as in TE

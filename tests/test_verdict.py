@@ -30,13 +30,13 @@ from attn_doctor.verdict.rule import (
     NOISE_EPS,
     NOISE_YARDSTICK,
     PASS,
-    TENSORS,
+    CORE_TENSORS as TENSORS,
     judge_tensor,
 )
 
 FAULTY = "tests/kernels/faulty.py"
 SDPA = [spec for spec in select(["sdpa"]) if spec.name in ("sdpa.math", "sdpa.flash")]
-CORRECT_KERNEL = parse_kernel_spec(f"{FAULTY}:correct_fp32")
+CORRECT_KERNEL = parse_kernel_spec("tests/kernels/features.py:correct")
 BASELINE = select(["local"])[0]
 
 

@@ -88,8 +88,10 @@ def repro_source(spec: BackendSpec) -> str:
     return backend_class(spec).repro_source(spec)
 
 
-def match_format(spec: BackendSpec) -> str | None:
-    return backend_class(spec).match_format
+def match_format(spec: BackendSpec, case: Case) -> str | None:
+    """The qkv_format known-defect rules are matched with for this spec on this case (None: not a TE path)."""
+    cls = backend_class(spec)
+    return cls.format_for(case) if cls.match_format is not None else None
 
 
 def match_context(spec: BackendSpec) -> dict:

@@ -10,12 +10,18 @@ In the parent process (class methods; no worker is started, nothing heavy is imp
   `memory()`           the working memory one call needs beyond its inputs, outputs and gradients
   `selector()`         the command-line option that picks a spec (`--backend NAME`, `--kernel SPEC`)
   `repro_source()`     the kernel part of the standalone repro script (see `attn_doctor.bisect.repro`)
-  `match_format`       the qkv_format known-defect rules are matched with (None: the path is not TE's)
+  `match_format`       not None for a path known-defect rules are written for (TE's): they are matched with
+                       the format it runs a case in (`format_for`)
   `match_context()`    how a spec runs beyond the machine's defaults, for those rules (TE's deterministic path:
                        {"deterministic": True})
 
 In a worker process (an instance per spec, built after `prepare_process()` ran first in that process):
-  `forward()`          required: out for q, k, v in `qkv_format`, possibly non-contiguous views
+  `forward()`          required: out for q, k, v in `format_for(case)`, possibly non-contiguous views, and
+                       the case's `Semantics` (explicit mask, bias, sink logits: `attn_doctor.numerics.masks`;
+                       None for the dense probes). A path that is not TE's takes a thd case as padded tensors
+                       and gets the lengths from the case.
+  `sink_leaf()`        the tensor whose gradient is the learnable sink's (default: the semantics' sink logits,
+                       which the forward must use through autograd; TE: its own `softmax_offset` parameter)
   `ran()`              what really ran for the last forward, read back from the library's own state
   `facts()`            the same readback as structured facts for the row's extra (TE: whether deterministic
                        mode was honoured); {} by default
@@ -41,6 +47,8 @@ from attn_doctor.core.coords import BackendSpec
 
 if TYPE_CHECKING:
     import torch
+
+    from attn_doctor.numerics.masks import Semantics
 
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported"]
 
@@ -87,6 +95,12 @@ class Backend(ABC):
         return []
 
     @classmethod
+    def format_for(cls, case: Case) -> str:
+        """The format forward receives q, k, v in for this case: the family's own by default (TE: the case's
+        qkv_format, thd included)."""
+        return cls.qkv_format
+
+    @classmethod
     def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
         return None
 
@@ -128,7 +142,12 @@ class Backend(ABC):
         return self.spec.name
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case,
+                semantics: Semantics | None = None) -> torch.Tensor: ...
+
+    def sink_leaf(self, semantics: Semantics) -> torch.Tensor | None:
+        """The tensor the learnable sink's gradient is taken with respect to, after a forward."""
+        return semantics.sink
 
     def ran(self, out: torch.Tensor) -> str:
         return self.name
@@ -148,7 +167,7 @@ class Backend(ABC):
 
         from attn_doctor.core import layouts
 
-        fmt = self.qkv_format
+        fmt = self.format_for(case)
         full_case = dataclasses.replace(case, seq=k.shape[1])
         full = q.new_zeros(q.shape[0], k.shape[1], *q.shape[2:]).index_copy(1, positions, q)
         out = self.forward(layouts.to_format(full, fmt), layouts.to_format(k, fmt), layouts.to_format(v, fmt),

@@ -1,8 +1,25 @@
 """A user's own attention kernel, `--kernel [NAME=]TARGET:FUNC`.
 
-FUNC is `fn(q, k, v, *, causal: bool, softmax_scale: float) -> out` on bshd tensors
-(q [batch, seq_q, heads, dim], k and v [batch, seq_kv, kv_heads, dim]); gradients come from autograd.
-TARGET is an importable module or a path to a .py file.
+FUNC is `fn(q, k, v, *, causal: bool, softmax_scale: float, **more) -> out` on bshd tensors
+(q [batch, seq_q, heads, dim], k and v [batch, seq_kv, kv_heads, dim or head_dim_v]); gradients come
+from autograd. TARGET is an importable module or a path to a .py file.
+
+The rest of TE's API reaches the kernel through these keywords, each passed only when FUNC accepts it (by
+name, or through **kwargs), so kernels written for the first signature keep working:
+
+  allowed          bool [batch or 1, 1, seq_q, seq_kv], True = the query sees the key: every mask type,
+                   padding, sliding window and explicit mask in one (None: all visible). Required for any
+                   case that `causal` cannot describe (padding, windows, an explicit mask, a bottom-right
+                   diagonal with seq_q != seq_kv); a kernel without it is SKIP on those.
+  bias             broadcastable to [batch, heads, seq_q, seq_kv], added to the scaled scores (post_scale_bias,
+                   ALiBi materialised; None without). Required for cases with a bias.
+  softmax_offset   float32 [heads]: sink logits (softmax type off-by-one: zeros; learnable: requires grad,
+                   its gradient is judged as dsink). Required for cases with a sink.
+  seqlens_q, seqlens_kv   int32 [batch], each sequence's length (padding masks; None otherwise)
+  mask_type, window       TE's attn_mask_type and window_size, for information
+
+`causal` is True for every causal mask type (its diagonal is in `allowed`). Sequences of a thd case arrive
+padded (bshd), the lengths in `seqlens_q` / `seqlens_kv`; the padded rows' output is not compared.
 """
 
 from __future__ import annotations
@@ -10,16 +27,18 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from attn_doctor.backends.base import Backend, BackendSpec
+from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
+from attn_doctor.numerics.masks import Semantics, dense_allowed, dense_bias
 
 
 def parse_kernel_spec(text: str) -> BackendSpec:
@@ -36,7 +55,11 @@ def parse_kernel_spec(text: str) -> BackendSpec:
     path = Path(target)
     if target.endswith(".py"):
         target = str(path.resolve())
-    return BackendSpec(name or func, "kernel", {"target": target, "func": func})
+    options = {"target": target, "func": func}
+    keywords = _keywords_in_source(origin, func) if origin is not None else None
+    if keywords is not None:  # known before any worker starts: cases the signature cannot take are SKIP at once
+        options["keywords"] = sorted(keywords)
+    return BackendSpec(name or func, "kernel", options)
 
 
 def _target_source(target: str) -> Path | None:
@@ -54,6 +77,20 @@ def _target_source(target: str) -> Path | None:
     if spec.origin and spec.origin.endswith(".py"):
         return Path(spec.origin)
     return None  # compiled or namespace module: checked when the worker imports it
+
+
+def _keywords_in_source(path: Path, name: str) -> set[str] | None:
+    """The keyword names a top-level `def name` in the file takes ("**" with **kwargs); None when it is not a
+    plain function there (an assignment, an import, a class: known only once imported)."""
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (SyntaxError, OSError, UnicodeDecodeError):
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            names = {a.arg for a in node.args.args + node.args.kwonlyargs}
+            return names | ({"**"} if node.args.kwarg is not None else set())
+    return None
 
 
 def _defines(path: Path, name: str) -> bool:
@@ -74,6 +111,43 @@ def _defines(path: Path, name: str) -> bool:
     return False
 
 
+def needs_mask(case: Case) -> bool:
+    """Whether `causal` alone cannot describe the case's mask."""
+    return (case.padded or case.mask == "arbitrary" or case.window is not None
+            or case.bottom_right and case.seq != case.seq_k)
+
+
+def required_keywords(case: Case) -> list[str]:
+    """The keywords a kernel must take to be given this case."""
+    return ((["allowed"] if needs_mask(case) else []) + (["bias"] if case.bias != "no_bias" else [])
+            + (["softmax_offset"] if case.softmax != "vanilla" else []))
+
+
+def missing_keyword(func: str, keywords: set[str], required: list[str]) -> str | None:
+    """Why a kernel taking `keywords` cannot be given a case that needs `required`, or None."""
+    missing = [name for name in required if name not in keywords and "**" not in keywords]
+    if not missing:
+        return None
+    return (f"this case needs the --kernel keyword{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+            f"(see attn-doctor's --kernel convention); {func} does not take {'them' if len(missing) > 1 else 'it'}")
+
+
+def accepted_keywords(fn: Callable) -> set[str]:
+    """The keyword names fn takes ("**" when it takes any)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: only the first convention
+        return set()
+    names = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        names.add("**")
+    return names
+
+
+def _lengths(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 def load_function(target: str, func: str) -> Callable:
     if target.endswith(".py"):
         module_name = f"attn_doctor_user_kernel_{abs(hash(target))}"
@@ -91,6 +165,7 @@ REPRO_SOURCE = '''
 FORMAT = "bshd"
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 
 TARGET, FUNC = {target!r}, {func!r}
 if TARGET.endswith(".py"):
@@ -102,7 +177,21 @@ else:
 
 
 def kernel(q, k, v, case):
-    return getattr(module, FUNC)(q, k, v, causal=case["mask"] == "causal", softmax_scale=case["head_dim"] ** -0.5)
+    """The user's kernel with attn-doctor's --kernel keywords, each passed only when it takes it."""
+    fn = getattr(module, FUNC)
+    taken = {{p.name for p in inspect.signature(fn).parameters.values()}}
+    anything = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    bias = dense_bias()
+    padded = case["mask"].startswith("padding")
+    needs_mask = (padded or case["mask"] == "arbitrary" or case["window"] is not None
+                  or case["mask"].endswith("bottom_right") and case["seq"] != case["seq_kv"])
+    offered = {{"allowed": allowed() if needs_mask else None,
+               "bias": None if bias is None else bias.to(q.dtype), "softmax_offset": case["sink"],
+               "seqlens_q": torch.tensor(lengths("q"), dtype=torch.int32, device=DEVICE) if padded else None,
+               "seqlens_kv": torch.tensor(lengths("kv"), dtype=torch.int32, device=DEVICE) if padded else None,
+               "mask_type": case["mask"], "window": case["window"]}}
+    extra = {{name: value for name, value in offered.items() if anything or name in taken}}
+    return fn(q, k, v, causal="causal" in case["mask"], softmax_scale=case["head_dim"] ** -0.5, **extra)
 '''
 
 
@@ -113,8 +202,11 @@ class UserKernel(Backend):
 
     @classmethod
     def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
-        if case.window is not None:
-            return "the --kernel signature fn(q, k, v, *, causal, softmax_scale) has no sliding-window argument"
+        if case.fp8 != "none":
+            return "--kernel paths take the inputs' dtype; FP8 attention is TE's (--fp8)"
+        keywords = spec.options.get("keywords")
+        if keywords is not None:
+            return missing_keyword(spec.options["func"], set(keywords), required_keywords(case))
         return None
 
     @classmethod
@@ -129,9 +221,25 @@ class UserKernel(Backend):
     def __init__(self, spec: BackendSpec):
         super().__init__(spec)
         self.fn = load_function(spec.options["target"], spec.options["func"])
+        self.keywords = accepted_keywords(self.fn)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
-        return self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case,
+                semantics: Semantics | None = None) -> torch.Tensor:
+        semantics = semantics or Semantics(case)
+        offered = {
+            "allowed": dense_allowed(semantics, q.device) if needs_mask(case) else None,
+            "bias": dense_bias(semantics, q.dtype, q.device),
+            "softmax_offset": semantics.sink,
+            "seqlens_q": _lengths(case.lengths_q(), q.device) if case.padded else None,
+            "seqlens_kv": _lengths(case.lengths_kv(), q.device) if case.padded else None,
+            "mask_type": case.mask,
+            "window": case.window,
+        }
+        why_not = missing_keyword(self.spec.options["func"], self.keywords, required_keywords(case))
+        if why_not:
+            raise Unsupported(why_not)
+        extra = {name: value for name, value in offered.items() if name in self.keywords or "**" in self.keywords}
+        return self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, **extra)
 
     def ran(self, out: torch.Tensor) -> str:
         return f"{self.spec.options['target']}:{self.spec.options['func']}"

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, Unsupported
 from attn_doctor.core.case import DTYPE_BYTES, Case
+from attn_doctor.numerics.masks import Semantics, dense_allowed, dense_bias
 from attn_doctor.numerics.reference import allowed_mask
 
 KERNELS = {
@@ -61,11 +62,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 
 def kernel(q, k, v, case):
-    """PyTorch SDPA with only the {kernel} kernel allowed."""
+    """PyTorch SDPA with only the {kernel} kernel allowed: plain causal self-attention as is_causal, every other
+    mask as a boolean attn_mask (True = attend), a bias as a float attn_mask with -inf where masked."""
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     extra = {{"enable_gqa": True}} if case["kv_heads"] != case["heads"] else {{}}
-    plain_causal = case["mask"] == "causal" and case["window"] is None and case["seq"] == case["seq_kv"]
-    mask = None if plain_causal or (case["mask"] == "none" and case["window"] is None) else allowed(case["seq"], case["seq_kv"])
+    dense = not case["mask"].startswith("padding") and case["mask"] != "arbitrary" and case.get("bias", "no_bias") == "no_bias"
+    plain_causal = dense and "causal" in case["mask"] and case["window"] is None and case["seq"] == case["seq_kv"]
+    mask = None
+    if not plain_causal:
+        visible = allowed()
+        mask = None if bool(visible.all()) else visible
+        bias = dense_bias()
+        if bias is not None:
+            mask = bias.to(q.dtype).masked_fill(~visible, float("-inf"))
     with sdpa_kernel([SDPBackend.{enum}]):
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=plain_causal,
                                              scale=case["head_dim"] ** -0.5, **extra)
@@ -88,6 +97,10 @@ class SdpaKernel(Backend):
         kernel = spec.options["kernel"]
         if device == "cpu" and kernel not in CPU_KERNELS:
             return f"PyTorch has no CPU implementation of the {kernel} SDPA kernel"
+        if case.softmax != "vanilla":
+            return f"PyTorch SDPA has no softmax sink (softmax type {case.softmax})"
+        if case.fp8 != "none":
+            return "PyTorch SDPA has no FP8 attention"
         return None
 
     @classmethod
@@ -125,15 +138,19 @@ class SdpaKernel(Backend):
                 raise Unsupported("; ".join(reasons) or str(exc).splitlines()[0]) from None
         return out.transpose(1, 2)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
-        mask = None
-        is_causal = case.causal and case.window is None and case.seq == case.seq_k
-        if case.window is not None or (case.causal and not is_causal):
-            mask = allowed_mask(
-                torch.arange(case.seq, device=q.device), torch.arange(case.seq_k, device=q.device), case.causal,
-                case.window,
-            )
-        return self._attend(q, k, v, mask, is_causal, case)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case,
+                semantics: Semantics | None = None) -> torch.Tensor:
+        """Plain causal self-attention as is_causal; every other mask as attn_mask (boolean, True = attend),
+        a bias as a float attn_mask with -inf where masked."""
+        semantics = semantics or Semantics(case)
+        dense = not case.padded and semantics.allowed is None and semantics.bias is None and semantics.alibi_slopes is None
+        if dense and case.causal and case.window is None and case.seq == case.seq_k:
+            return self._attend(q, k, v, None, True, case)
+        mask = dense_allowed(semantics, q.device)
+        bias = dense_bias(semantics, q.dtype, q.device)
+        if bias is not None:
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        return self._attend(q, k, v, mask, False, case)
 
     def attend_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   case: Case) -> torch.Tensor:

@@ -11,6 +11,13 @@ in `DotProductAttention.__init__`, so that path builds its own modules with the 
 after construction) and reads back whether TE honoured it: the module's `deterministic`, the `deterministic`
 of the AttentionParams TE selected the backend with, and that of the submodule that ran.
 
+A case reaches TE as TE's API takes it: its qkv_format (q, k, v built in that format, thd packed by
+`attn_doctor.core.layouts`), mask type, window, MLA head dims, attention_type and softmax_type at construction
+(`dpa_arguments`); cu_seqlens (and the padded ones), the explicit mask (True = masked out), the bias or ALiBi
+at the call (`forward_arguments`); the learnable sink's values copied into TE's own `softmax_offset`, whose
+gradient is the one judged; FP8 through TE's autocast, with one warm-up step for delayed scaling.
+`tests/test_te_wiring.py` checks this wiring on the CPU against a stand-in for DotProductAttention.
+
 TE is imported only inside worker and rank processes (`prepare_process`), before anything touches torch's
 cuDNN: a process that already used torch's cuDNN can fail to import TE (two cuDNN builds; see
 h200-device-facts.md). Under tensor and context parallelism TE does the splitting and the communication
@@ -20,17 +27,28 @@ itself (`run_parallel`): DotProductAttention with tp_group and cp_group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, Unsupported
+from attn_doctor.backends.base import (
+    Backend,
+    BackendSpec,
+    ParallelGroups,
+    PathMemory,
+    Unsupported,
+)
+from attn_doctor.core import layouts
 from attn_doctor.core.case import DTYPE_BYTES, Case
+from attn_doctor.core.errors import first_line
 from attn_doctor.machine.te_probe import te_installed
+from attn_doctor.numerics.masks import Semantics
 
 FLAGS = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}
 # Read in DotProductAttention.__init__ (every TE version since 1.x): 0 asks for deterministic algorithms.
@@ -43,6 +61,8 @@ KERNEL_MODULES = {"use_flash_attention": ("flash_attention", "FlashAttention"),
 FUSED_SUB_BACKENDS = {"0": "F16_max512_seqlen", "1": "F16_arbitrary_seqlen", "2": "FP8"}
 LAST_TE_WITH_SUB_BACKEND_CHOICE = (2, 15)
 NO_BACKEND_MESSAGE = "No dot product attention backend is available"
+# TE's unfused path runs FP8 attention only as an emulation, behind this variable (TE 2.x).
+UNFUSED_FP8_EMULATION = "NVTE_UnfusedDPA_Emulate_FP8"
 
 
 def te_version() -> tuple[int, int] | None:
@@ -124,6 +144,12 @@ def describe_state(state: dict) -> str:
     return "no backend"
 
 
+def describe_layout(state: dict) -> str:
+    """The qkv_layout TE detected for the last call (its AttentionParams), as "; layout sbhd_sbhd_sbhd"."""
+    layout = getattr(state.get("attention_params"), "qkv_layout", None)
+    return f"; layout {layout}" if layout else ""
+
+
 @contextlib.contextmanager
 def deterministic_mode(on: bool) -> Iterator[None]:
     """NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 while a DotProductAttention is built (TE reads it in __init__ only),
@@ -179,43 +205,131 @@ def describe_determinism(facts: dict[str, Any]) -> str:
     return ", deterministic requested, not honoured (" + "; ".join(facts["not_honoured_by"]) + ")"
 
 
+def attention_type(case: Case) -> str:
+    """TE's attention_type: "cross" whenever query and key lengths differ. Under "self" TE reads one padding
+    mask for both and its flash path reuses cu_seqlens_q for the keys."""
+    return "self" if case.seq == case.seq_k and case.lengths_q() == case.lengths_kv() else "cross"
+
+
 def dpa_arguments(case: Case) -> dict:
-    """DotProductAttention's constructor arguments for a case (sbhd, no dropout), before any TP/CP ones."""
-    return dict(
+    """DotProductAttention's constructor arguments for a case (no dropout), before any TP/CP ones."""
+    arguments = dict(
         num_attention_heads=case.heads,
-        kv_channels=case.head_dim,
+        kv_channels=case.head_dim if case.head_dim_v is None else (case.head_dim, case.head_dim_v),
         num_gqa_groups=case.num_kv_heads,
         attention_dropout=0.0,
-        qkv_format="sbhd",
-        attn_mask_type="causal" if case.causal else "no_mask",
+        qkv_format=case.qkv_format,
+        attn_mask_type=case.mask,
         window_size=case.window,
         softmax_scale=case.softmax_scale,
     )
+    if attention_type(case) == "cross":
+        arguments["attention_type"] = "cross"
+    if case.softmax != "vanilla":
+        arguments["softmax_type"] = case.softmax
+    return arguments
+
+
+def forward_arguments(case: Case, semantics: Semantics | None, device: torch.device) -> dict:
+    """DotProductAttention.forward's keyword arguments for the case's lengths, mask and bias."""
+    if semantics is None:
+        return {}
+    arguments: dict[str, Any] = {}
+    if case.padded:  # every format: cu_seqlens (seen on the H200 to work for sbhd on every TE path)
+        packed = layouts.packing(case)
+
+        def lengths(side: str, padded: bool = False) -> torch.Tensor:
+            return torch.tensor(packed.cu_seqlens(side, padded), dtype=torch.int32, device=device)
+
+        arguments.update(cu_seqlens_q=lengths("q"), cu_seqlens_kv=lengths("kv"), max_seqlen_q=case.seq,
+                         max_seqlen_kv=case.seq_k)
+        if case.pad_between_seqs:
+            arguments.update(cu_seqlens_q_padded=lengths("q", True), cu_seqlens_kv_padded=lengths("kv", True),
+                             pad_between_seqs=True)
+    if semantics.allowed is not None:
+        arguments["attention_mask"] = ~semantics.allowed  # TE: True = masked out
+    if case.bias == "alibi":
+        arguments["core_attention_bias_type"] = "alibi"
+    elif semantics.bias is not None:
+        arguments.update(core_attention_bias_type="post_scale_bias", core_attention_bias=semantics.bias)
+    return arguments
+
+
+def fp8_context(te_module: Any, recipe_name: str):
+    """TE's autocast with FP8 attention on (fp8_dpa) for `recipe_name` ("delayed" or "current"); nothing for
+    "none"."""
+    if recipe_name == "none":
+        return contextlib.nullcontext()
+    recipes = importlib.import_module("transformer_engine.common.recipe")
+    recipe = (recipes.DelayedScaling(fp8_dpa=True) if recipe_name == "delayed"
+              else recipes.Float8CurrentScaling(fp8_dpa=True))
+    if hasattr(te_module, "autocast"):
+        return te_module.autocast(enabled=True, recipe=recipe)
+    return te_module.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 
 REPRO_SOURCE = '''
 
-FORMAT = "sbhd"
+FORMAT = CASE.get("qkv_format", "sbhd")
 # Force TE's {path} backend the way TE's own tests do: only its flag on, selection cache invalidated.{determinism}
 os.environ.update({flags})
 {sub_backend}
+import contextlib  # noqa: E402
+import itertools  # noqa: E402
+
 import transformer_engine.pytorch as te  # noqa: E402  (after the flags: TE reads NVTE_* at import and per call)
 from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa  # noqa: E402
 
 
 def kernel(q, k, v, case):
+    """TE's DotProductAttention called as attn-doctor calls it: the case's format, mask type, window, lengths
+    (cu_seqlens), explicit mask (attention_mask, True = masked out), bias, softmax type and FP8 recipe."""
+    global SINK_LEAF
     dpa._attention_backends["backend_selection_requires_update"] = True
-    module = te.DotProductAttention(case["heads"], case["head_dim"], num_gqa_groups=case["kv_heads"],
-                                    attention_dropout=0.0, qkv_format="sbhd",
-                                    attn_mask_type="causal" if case["mask"] == "causal" else "no_mask",
-                                    window_size=tuple(case["window"]) if case["window"] else None)
-    out = module(q, k, v)
+    d, dv = case["head_dim"], case.get("head_dim_v") or case["head_dim"]
+    options = dict(num_gqa_groups=case["kv_heads"], attention_dropout=0.0, qkv_format=FORMAT,
+                   attn_mask_type=case["mask"], window_size=tuple(case["window"]) if case["window"] else None,
+                   softmax_scale=d ** -0.5)
+    if case["seq"] != case["seq_kv"] or lengths("q") != lengths("kv"):
+        options["attention_type"] = "cross"
+    if case.get("softmax", "vanilla") != "vanilla":
+        options["softmax_type"] = case["softmax"]
+    module = te.DotProductAttention(case["heads"], d if dv == d else (d, dv), **options)
+    call = {{}}
+    if case["mask"].startswith("padding"):
+        cu = lambda n: torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEVICE)
+        call.update(cu_seqlens_q=cu(lengths("q")), cu_seqlens_kv=cu(lengths("kv")), max_seqlen_q=case["seq"],
+                    max_seqlen_kv=case["seq_kv"])
+        if case.get("pad_between_seqs"):
+            call.update(cu_seqlens_q_padded=cu(slots("q")), cu_seqlens_kv_padded=cu(slots("kv")), pad_between_seqs=True)
+    if case["mask"] == "arbitrary":
+        call["attention_mask"] = ~EXPLICIT
+    if case.get("bias", "no_bias") == "alibi":
+        call["core_attention_bias_type"] = "alibi"
+    elif case.get("bias", "no_bias") != "no_bias":
+        call.update(core_attention_bias_type="post_scale_bias", core_attention_bias=BIAS)
+    if case.get("softmax") == "learnable":
+        with torch.no_grad():
+            module.softmax_offset.copy_(case["sink"].detach())
+        SINK_LEAF = module.softmax_offset  # TE differentiates its own parameter
+    context = contextlib.nullcontext
+    if case.get("fp8", "none") != "none":
+        from transformer_engine.common import recipe as recipes
+        fp8 = recipes.DelayedScaling(fp8_dpa=True) if case["fp8"] == "delayed" else recipes.Float8CurrentScaling(fp8_dpa=True)
+        context = lambda: te.autocast(enabled=True, recipe=fp8)
+        if case["fp8"] == "delayed":  # one warm-up step: delayed scaling's first call quantises with scale 1
+            with context():
+                warm = module(q, k, v, **call)
+            torch.autograd.grad(warm, (q, k, v), torch.ones_like(warm), allow_unused=True)
+    with context():
+        out = module(q, k, v, **call)
     state = dpa._attention_backends
     print("TE ran:", "FusedAttention sub-backend %s" % int(state["fused_attention_backend"])
           if state["use_fused_attention"] else "FlashAttention" if state["use_flash_attention"] else "Unfused",
+          "| layout:", getattr(state["attention_params"], "qkv_layout", "?"),
           "| deterministic: DotProductAttention %s, backend selection %s" % (
               getattr(module, "deterministic", "?"), getattr(state["attention_params"], "deterministic", "?")))
-    return out.view(q.shape[0], q.shape[1], case["heads"], case["head_dim"])
+    return out.view(*q.shape[:-2], case["heads"], dv)
 '''
 
 
@@ -238,12 +352,11 @@ class TEAttention(Backend):
             return "TE attention needs a CUDA GPU; this run is on the CPU"
         if not te_installed():
             return "transformer_engine is not installed (pip install 'attn-doctor[te]')"
-        if case.window is not None and case.seq != case.seq_k:
-            # Seen on the H200 (reports/h200/verdicts): with seq_q != seq_kv, te.flash and te.unfused place
-            # the window from the bottom-right corner (TE's window convention), the reference from the top-left.
-            return ("TE aligns a sliding window to the bottom-right corner when seq != seq-kv; attn-doctor's "
-                    "windows are top-left aligned (use --seq-kv equal to --seq with --window)")
         return None
+
+    @classmethod
+    def format_for(cls, case: Case) -> str:
+        return case.qkv_format
 
     @classmethod
     def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:
@@ -273,7 +386,6 @@ class TEAttention(Backend):
     def prepare_process(cls) -> dict:
         """TE before anything loads torch's cuDNN; what TE loaded (versions, its own cuDNN) for the
         fingerprint. An import failure is kept, and every TE row of this process is SKIP with it."""
-        from attn_doctor.core.errors import first_line
         from attn_doctor.machine.te_probe import probe_loaded_te
 
         global _import_error
@@ -296,14 +408,16 @@ class TEAttention(Backend):
         self._modules: dict[tuple, torch.nn.Module] = {}
         self._cp_stream: torch.cuda.Stream | None = None
         self._last = ""
+        self._last_module: torch.nn.Module | None = None
         self._determinism: dict[str, Any] = {}
 
     def _module(self, case: Case, **parallel) -> torch.nn.Module:
         # A new module per setting: TE reads some settings (e.g. determinism) only at construction.
-        key = (case.heads, case.num_kv_heads, case.head_dim, case.mask, case.window, tuple(sorted(parallel)))
+        arguments = dpa_arguments(case)
+        key = (repr(sorted(arguments.items())), tuple(sorted(parallel)))
         if key not in self._modules:
             with deterministic_mode(self.deterministic):
-                self._modules[key] = self._te.te.DotProductAttention(**dpa_arguments(case), **parallel)
+                self._modules[key] = self._te.te.DotProductAttention(**arguments, **parallel)
         return self._modules[key]
 
     def _force(self) -> None:
@@ -313,26 +427,52 @@ class TEAttention(Backend):
             os.environ["NVTE_FUSED_ATTN_BACKEND"] = self.sub_backend
         else:
             os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)
+        # FP8 cases: TE's unfused path is its FP8 emulation (otherwise disabled under FP8).
+        os.environ[UNFUSED_FP8_EMULATION] = "1" if self.path == "unfused" else "0"
         self._te.state["backend_selection_requires_update"] = True
+        cache = getattr(getattr(self._te, "dpa_module", None), "_alibi_cache", None)
+        if isinstance(cache, dict):  # TE refreshes its ALiBi bias on new max lengths only, not on new lengths
+            cache["_alibi_slopes_require_update"] = cache["_alibi_bias_require_update"] = True
 
-    def _call(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _call(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              fp8: str = "none", **arguments: Any) -> torch.Tensor:
         """The forced path's forward, with TE's own reason when it refuses the case."""
         self._force()
         self._te.capture.lines.clear()
         try:
-            out = module(q, k, v)
+            with fp8_context(self._te.te, fp8):
+                out = module(q, k, v, **arguments)
         except ValueError as exc:
             if NO_BACKEND_MESSAGE not in str(exc):
                 raise
             raise Unsupported(self._disabled_reasons() or str(exc)) from None
+        except AssertionError as exc:  # TE checks its arguments with asserts before any kernel runs
+            raise Unsupported(f"TE refused the call: {first_line(exc) or 'an assertion in its argument checks'}") from None
         self._determinism = read_determinism(module, self._te.state, self.deterministic)
-        self._last = describe_state(self._te.state) + describe_determinism(self._determinism)
+        self._last = describe_state(self._te.state) + describe_layout(self._te.state) + describe_determinism(
+            self._determinism)
         return out
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case) -> torch.Tensor:
-        out = self._call(self._module(case), q, k, v)
-        seq_q, batch = q.shape[:2]
-        return out.view(seq_q, batch, case.heads, case.head_dim)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case,
+                semantics: Semantics | None = None) -> torch.Tensor:
+        module = self._module(case)
+        arguments = forward_arguments(case, semantics, q.device)
+        if case.softmax == "learnable" and semantics is not None:
+            with torch.no_grad():
+                module.softmax_offset.copy_(semantics.sink.detach().to(module.softmax_offset.dtype))
+            module.softmax_offset.grad = None
+        if case.fp8 == "delayed":
+            # Delayed scaling quantises with the previous steps' amax (scale 1 on the very first call): one
+            # warm-up step on the same inputs gives the scales a training run converges to.
+            warm = self._call(module, q, k, v, case.fp8, **arguments)
+            torch.autograd.grad(warm, (q, k, v), torch.ones_like(warm), allow_unused=True)
+        out = self._call(module, q, k, v, case.fp8, **arguments)
+        self._last_module = module
+        return out.view(*q.shape[:-2], case.heads, case.d_v)
+
+    def sink_leaf(self, semantics: Semantics) -> torch.Tensor | None:
+        """TE's own learnable sink parameter of the module that ran (TE uses it, not the semantics' copy)."""
+        return getattr(self._last_module, "softmax_offset", None)
 
     def run_parallel(self, groups: ParallelGroups, case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      dout: torch.Tensor) -> tuple[list[torch.Tensor], str]:
@@ -344,7 +484,7 @@ class TEAttention(Backend):
                 self._cp_stream = torch.cuda.Stream()
             parallel.update(cp_group=groups.cp_group, cp_global_ranks=groups.cp_ranks, cp_stream=self._cp_stream,
                             cp_comm_type=groups.cp_comm_type)
-        module = self._module(case, **parallel)
+        module = self._module(dataclasses.replace(case, qkv_format="sbhd"), **parallel)
         leaves = [t.transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]  # sbhd
         out = self._call(module, *leaves)
         out = out.view(leaves[0].shape[0], leaves[0].shape[1], case.heads // groups.tp, case.head_dim)

@@ -85,7 +85,7 @@ def outcome_of(row: Row) -> Outcome:
             kind = "nonfinite" if t.nan or t.inf else "bias" if t.bias_failed else "error"
             failures[name] = TensorFailure(kind, t.ratio, t.scaled_err, t.cancelled)
     return Outcome(row.verdict, row.reason, tuple(row.failing_tensors), row.extra, internal=row.internal,
-                   failures=failures)
+                   failures=failures, measured=tuple(row.tensors) or None)
 
 
 def session_probe(session: Session, progress: ProgressSink) -> Probe:

@@ -53,19 +53,24 @@ class Outcome:
     extra: dict = field(default_factory=dict)
     internal: bool = False  # an ERROR that is attn-doctor's own, not the kernel's
     failures: dict[str, TensorFailure] = field(default_factory=dict)  # per failing tensor, when known
+    measured: tuple[str, ...] | None = None  # every tensor judged (None: not known)
 
-    def lead(self) -> str | None:
-        """The failing tensor that fails worst (NaN/Inf first, then by ratio)."""
-        if not self.failures:
-            return self.tensors[0] if self.tensors else None
-        return max(self.failures, key=lambda n: (self.failures[n].kind == "nonfinite", self.failures[n].ratio))
+    def lead(self, among: tuple[str, ...] | None = None) -> str | None:
+        """The failing tensor that fails worst (NaN/Inf first, then by ratio), among `among` if given: a
+        tensor another probe does not have (the sink's gradient, once the sink is simplified away) cannot
+        be what it fails the same way on."""
+        failures = {n: f for n, f in self.failures.items() if among is None or n in among}
+        if not failures:
+            names = [n for n in self.tensors if among is None or n in among]
+            return names[0] if names else None
+        return max(failures, key=lambda n: (failures[n].kind == "nonfinite", failures[n].ratio))
 
     def differs_from(self, start: Outcome) -> str | None:
         """Why this FAIL is not the start's failure (see the module docstring), or None when it is."""
         if ("out" in self.tensors) != ("out" in start.tensors):
             where = "forward" if "out" in self.tensors else "backward only"
             return f"fails in the {where}, the start did not"
-        lead = start.lead()
+        lead = start.lead(among=self.measured)
         if lead is None or not start.failures:
             return None if lead is None or lead in self.tensors else f"{lead} passes"
         if lead not in self.failures:

@@ -1,16 +1,18 @@
 """The knobs bisect turns, as a table: what each one reads from a probe's coordinates, how it moves, and
 which values it may take. The engine (`engine.py`) knows only this table.
 
-Categorical knobs move to their plainest value (the layout to contiguous, the mask to none, GQA to plain
-heads, no window, self-attention, TP 1, one layer, the plainest dtype and input distribution that still
-fail); integer knobs are binary-searched down to the smallest value that still fails. A value a case cannot
+Categorical knobs move to their plainest value (the layout to contiguous, thd to padded tensors, ragged
+lengths to full ones, no FP8, no sink, no bias, v's head dim to q's, the mask to a plainer TE mask type down
+to no_mask, GQA to plain heads, no window, self-attention, TP 1, one layer, the plainest dtype and input
+distribution that still fail); integer knobs are binary-searched down to the smallest value that still fails. A value a case cannot
 take (heads not divisible by the TP degree, say) is never probed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from attn_doctor.core.case import DTYPES, Case
 from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
@@ -77,8 +79,46 @@ def _set_heads(coords: Coords, heads: int) -> Coords:
 
 
 def _set_seq(coords: Coords, seq: int) -> Coords:
+    """seq (and seq_kv with it under self-attention); per-sequence lengths are cut to fit."""
     case = coords.case
-    return _with_case(coords, seq=seq, **({"seq_kv": seq} if case.seq_k == case.seq else {}))
+    fields: dict[str, Any] = {"seq": seq, **({"seq_kv": seq} if case.seq_k == case.seq else {})}
+    if case.seqlens is not None:
+        fields["seqlens"] = [min(n, seq) for n in case.seqlens]
+    if case.seqlens_kv is not None and case.seq_k == case.seq:
+        fields["seqlens_kv"] = [min(n, seq) for n in case.seqlens_kv]
+    return _with_case(coords, **fields)
+
+
+def _set_batch(coords: Coords, batch: int) -> Coords:
+    """The first `batch` sequences (their lengths with them)."""
+    case = coords.case
+    fields: dict[str, Any] = {"batch": batch}
+    for name in ("seqlens", "seqlens_kv"):
+        if getattr(case, name) is not None:
+            fields[name] = list(getattr(case, name)[:batch])
+    return _with_case(coords, **fields)
+
+
+# Mask types by what they add to no_mask: a plainer mask has a subset of these.
+MASK_PARTS = {"no_mask": set(), "causal": {"causal"}, "causal_bottom_right": {"causal", "bottom_right"},
+              "padding": {"padding"}, "padding_causal": {"padding", "causal"},
+              "padding_causal_bottom_right": {"padding", "causal", "bottom_right"}, "arbitrary": {"arbitrary"}}
+
+
+def _plainer_masks(coords: Coords) -> list[str]:
+    parts = MASK_PARTS[coords.case.mask]
+    plainer = [m for m, p in MASK_PARTS.items() if p < parts]
+    return sorted(plainer, key=lambda m: len(MASK_PARTS[m]))
+
+
+def _set_mask(coords: Coords, mask: str) -> Coords:
+    """Another mask type; leaving arbitrary drops its mask source."""
+    return _with_case(coords, mask=mask, **({"mask_source": None} if coords.case.mask == "arbitrary" else {}))
+
+
+def _plainer(value: Any, order: tuple) -> list:
+    """The values of `order` (plainest first) before `value`."""
+    return list(order[:order.index(value)]) if value in order else []
 
 
 # The input distributions from the plainest: a fault that still shows on Gaussian inputs reduces to them.
@@ -95,8 +135,25 @@ CATEGORICAL: tuple[Categorical, ...] = (
     Categorical("layout", lambda c: c.layout,
                 lambda c: ["contiguous"] if c.kind is not ProbeKind.DEPTH and c.layout != "contiguous" else [],
                 lambda c, v: _rebuilt(c, layout=v)),
-    Categorical("mask", lambda c: c.case.mask, lambda c: ["none"] if c.case.mask != "none" else [],
-                lambda c, v: _with_case(c, mask=v)),
+    Categorical("qkv_format", lambda c: c.case.qkv_format,  # packed tokens to padded tensors, TE's default first
+                lambda c: _plainer(c.case.qkv_format, ("sbhd", "bshd", "thd")),
+                lambda c, v: _with_case(c, qkv_format=v, pad_between_seqs=False)),
+    Categorical("pad_between_seqs", lambda c: c.case.pad_between_seqs,
+                lambda c: [False] if c.case.pad_between_seqs else [],
+                lambda c, v: _with_case(c, pad_between_seqs=v)),
+    Categorical("lengths", lambda c: c.case.seqlens is not None or c.case.seqlens_kv is not None,
+                lambda c: [False] if c.case.seqlens is not None or c.case.seqlens_kv is not None else [],
+                lambda c, _: _with_case(c, seqlens=None, seqlens_kv=None)),  # every sequence full length
+    Categorical("fp8", lambda c: c.case.fp8, lambda c: ["none"] if c.case.fp8 != "none" else [],
+                lambda c, v: _with_case(c, fp8=v)),
+    Categorical("softmax", lambda c: c.case.softmax,
+                lambda c: _plainer(c.case.softmax, ("vanilla", "off-by-one", "learnable")),
+                lambda c, v: _with_case(c, softmax=v)),
+    Categorical("bias", lambda c: c.case.bias, lambda c: ["no_bias"] if c.case.bias != "no_bias" else [],
+                lambda c, v: _with_case(c, bias=v)),
+    Categorical("head_dim_v", lambda c: c.case.head_dim_v, lambda c: [None] if c.case.head_dim_v is not None else [],
+                lambda c, v: _with_case(c, head_dim_v=v)),
+    Categorical("mask", lambda c: c.case.mask, _plainer_masks, _set_mask),
     Categorical("kv_heads", lambda c: c.case.num_kv_heads,
                 lambda c: [c.case.heads] if c.case.num_kv_heads != c.case.heads else [],
                 lambda c, _: _with_case(c, kv_heads=c.case.heads)),  # tied to heads, whatever heads is by then
@@ -118,8 +175,7 @@ CATEGORICAL: tuple[Categorical, ...] = (
 INTEGER: tuple[Integer, ...] = (
     Integer("layers", lambda c: c.layers, lambda c: list(range(1, c.layers + 1)) if c.layers > 1 else [],
             lambda c, v: _rebuilt(c, layers=v)),
-    Integer("batch", lambda c: c.case.batch, lambda c: list(range(1, c.case.batch + 1)),
-            lambda c, v: _with_case(c, batch=v)),
+    Integer("batch", lambda c: c.case.batch, lambda c: list(range(1, c.case.batch + 1)), _set_batch),
     Integer("seq", lambda c: c.case.seq, lambda c: list(range(1, c.case.seq + 1)), _set_seq),
     Integer("seq_kv", lambda c: c.case.seq_k,  # self-attention: seq_kv follows seq
             lambda c: list(range(1, c.case.seq_k + 1)) if c.case.seq_k != c.case.seq else [],

@@ -10,6 +10,7 @@ import click
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
 from attn_doctor.cli.options import backend_options, build_case, case_options
 from attn_doctor.core.errors import BadInput
+from attn_doctor.core.layouts import canonical_layouts
 
 
 @click.command()
@@ -64,7 +65,7 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
                            f"(got {len(specs)}), or --from RESULTS")
         if len(layouts) > 1:
             raise BadInput("bisect starts from one layout: give --layout at most once")
-        start = knobs.coords_at(case, layouts[0] if layouts else "contiguous", tp, layers, specs[0])
+        start = knobs.coords_at(case, canonical_layouts(layouts)[0] if layouts else "contiguous", tp, layers, specs[0])
         directory = None
     directory = out_dir or directory or app.new_run_dir("bisect")
     check_writable(directory, "--out", directory=True)

@@ -24,7 +24,7 @@ def known_defects(report: RunReport) -> list[str]:
     for row in report.rows:
         _, contexts = cases.setdefault(row.case.key(), (row.case, set()))
         spec = row.coords.backend
-        contexts.add((match_format(spec), tuple(sorted(match_context(spec).items()))))
+        contexts.add((match_format(spec, row.case), tuple(sorted(match_context(spec).items()))))
     return case_descriptions(report.env, [
         (case, [{"qkv_format": fmt, **dict(extra)} if extra else fmt for fmt, extra in sorted(contexts, key=str)])
         for case, contexts in cases.values()])

@@ -6,13 +6,27 @@ without loading torch.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
-from attn_doctor.core.case import DTYPES, INPUTS, MASKS, Case, make_case
+from attn_doctor.core.case import (
+    BIASES,
+    DTYPES,
+    FP8_RECIPES,
+    INPUTS,
+    MASK_ALIASES,
+    MASKS,
+    QKV_FORMATS,
+    SOFTMAX_TYPES,
+    Case,
+    make_case,
+)
 from attn_doctor.core.errors import BadInput
-from attn_doctor.core.layouts import LAYOUTS
+from attn_doctor.core.layouts import LAYOUT_ALIASES, LAYOUTS
+
+MASK_NAMES = MASKS + tuple(MASK_ALIASES)
 
 POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
 
@@ -63,12 +77,33 @@ def case_options(fn: Callable) -> Callable:
         click.option("--kv-heads", type=int, help="Key/value heads (GQA when fewer) [= --heads]."),
         click.option("--head-dim", type=int, help="Head dimension [64]."),
         click.option("--dtype", type=click.Choice(DTYPES), help="Input dtype [bf16]."),
-        click.option("--mask", type=click.Choice(MASKS), help="Attention mask [causal]."),
+        click.option("--mask", type=click.Choice(MASK_NAMES),
+                     help="TE's attn_mask_type (none = no_mask) [causal]."),
         click.option("--window", help="Sliding window LEFT,RIGHT (-1 = unbounded) [none]."),
         click.option("--seed", type=int, help="Seed of q, k, v and the output gradient [1234]."),
         click.option("--inputs", type=click.Choice(INPUTS),
                      help="Distribution of q, k, v (the output gradient stays normal) [normal]."),
+        *api_options(grid=False),
     ])
+
+
+def api_options(grid: bool) -> list[Callable]:
+    """The flags of TE's attention API beyond shapes and masks (comma lists under `sweep`)."""
+    listing = "Comma list of " if grid else ""
+    return [
+        click.option("--qkv-format", help=f"{listing}TE's qkv_format: {', '.join(QKV_FORMATS)} [sbhd]."),
+        click.option("--seqlens", multiple=grid,
+                     help="Per-sequence query lengths, e.g. 512,387,257 (needs a padding mask; sets --batch)"
+                          + (" (repeat for a grid)." if grid else ".")),
+        click.option("--seqlens-kv", multiple=grid, help="Per-sequence key/value lengths [= --seqlens]."),
+        click.option("--pad-between-seqs", is_flag=True, default=None,
+                     help="thd: padding after each sequence in the packed tensor (cu_seqlens_*_padded)."),
+        click.option("--head-dim-v", help=f"{listing}v's head dim for MLA, e.g. 128 with --head-dim 192 [= --head-dim]."),
+        click.option("--bias", help=f"{listing}core_attention_bias: {', '.join(BIASES)} [no_bias]."),
+        click.option("--softmax", help=f"{listing}TE's softmax_type: {', '.join(SOFTMAX_TYPES)} [vanilla]."),
+        click.option("--fp8", help=f"{listing}FP8 attention recipe: {', '.join(FP8_RECIPES)} [none]."),
+        click.option("--mask-source", help="The explicit mask of --mask arbitrary: random:P (P masked out)."),
+    ]
 
 
 def grid_options(fn: Callable) -> Callable:
@@ -83,6 +118,7 @@ def grid_options(fn: Callable) -> Callable:
         click.option("--head-dim", help="Head dimensions, e.g. 64,128."),
         click.option("--dtype", help=f"Dtypes among {', '.join(DTYPES)}."),
         click.option("--mask", help=f"Masks among {', '.join(MASKS)}."),
+        *api_options(grid=True),
         click.option("--window", "windows", multiple=True, help="A sliding window LEFT,RIGHT (repeat for a grid)."),
         click.option("--seed", help="Seeds."),
         click.option("--inputs", help=f"Distributions of q, k, v among {', '.join(INPUTS)}."),
@@ -99,8 +135,8 @@ def backend_options(fn: Callable) -> Callable:
         click.option("--kernel", "kernels", multiple=True, metavar="[NAME=]TARGET:FUNC",
                      help="Your own kernel fn(q, k, v, *, causal, softmax_scale) on bshd tensors; "
                           "TARGET is a module or a .py path (repeatable)."),
-        click.option("--layout", "layouts", multiple=True, type=click.Choice(LAYOUTS),
-                     help="A memory layout to feed (repeatable) [all]."),
+        click.option("--layout", "layouts", multiple=True, type=click.Choice(LAYOUTS + tuple(LAYOUT_ALIASES)),
+                     help="A memory layout to feed (repeatable; TE's names such as sb3hd or thd_t2hd too) [all]."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--timeout", type=POSITIVE_SECONDS, default=300.0, show_default=True,
                      help="Seconds one probe may take before its worker is killed (ERROR row)."),
@@ -123,11 +159,17 @@ def build_case(options: dict[str, Any]) -> Case:
     fields: dict[str, Any] = {}
     if options.get("recipe"):
         fields.update(load_recipe(options["recipe"]).case)
-    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed", "inputs"):
+    for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed", "inputs",
+                 "qkv_format", "bias", "softmax", "fp8", "mask_source", "pad_between_seqs"):
         if options.get(name) is not None:
             fields[name] = options[name]
     if options.get("window") is not None:
         fields["window"] = window(options["window"])
+    if options.get("head_dim_v") is not None:
+        fields["head_dim_v"] = int_list(options["head_dim_v"], "head-dim-v")[0]
+    for name in ("seqlens", "seqlens_kv"):
+        if options.get(name) is not None:
+            fields[name] = tuple(int_list(options[name], name.replace("_", "-")))
     return make_case(**fields)
 
 
@@ -149,9 +191,18 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
     for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "seed"):
         if options.get(name) is not None:
             grid[name] = int_list(options[name], name.replace("_", "-"))
-    for name, allowed in (("dtype", DTYPES), ("mask", MASKS), ("inputs", INPUTS)):
+    for name, allowed in (("dtype", DTYPES), ("mask", MASK_NAMES), ("inputs", INPUTS), ("qkv_format", QKV_FORMATS),
+                          ("bias", BIASES), ("softmax", SOFTMAX_TYPES), ("fp8", FP8_RECIPES)):
         if options.get(name) is not None:
-            grid[name] = choices(options[name], allowed, name)
+            grid[name] = choices(options[name], allowed, name.replace("_", "-"))
+    if options.get("head_dim_v") is not None:
+        grid["head_dim_v"] = int_list(options["head_dim_v"], "head-dim-v")
+    for name in ("seqlens", "seqlens_kv"):
+        if options.get(name):
+            grid[name] = [tuple(int_list(text, name.replace("_", "-"))) for text in options[name]]
+    for name in ("mask_source", "pad_between_seqs"):
+        if options.get(name) is not None:
+            base[name] = options[name]
     if options.get("windows"):
         grid["window"] = [window(w) for w in options["windows"]]
     if options.get("layers") is not None:
@@ -163,3 +214,22 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
                                                      for v in values)):
             raise BadInput(f"--{name} (or the recipe's grid.{name}) takes whole numbers >= 1, got {values}")
     return base, grid, depths, degrees
+
+
+def build_cases(options: dict[str, Any]) -> tuple[list[Case], list[str], list[int] | None, list[int] | None,
+                                                   list[str]]:
+    """`sweep`'s cases: the recipe's grids (each over its [case] and [grid]) with the flags' lists over them
+    all, expanded; the reasons of the combinations left out (a recipe with drop_invalid); depths, TP degrees;
+    the recipe's layouts."""
+    from attn_doctor.core.case import expand_grids
+    from attn_doctor.core.recipes import load_recipe
+
+    base, grid, depths, degrees = build_grid(options)
+    recipe = load_recipe(options["recipe"]) if options.get("recipe") else None
+    if recipe is None or not recipe.grids:
+        cases, dropped = expand_grids(base, [grid], drop_invalid=recipe is not None and recipe.drop_invalid)
+        return cases, dropped, depths, degrees, list(recipe.layouts) if recipe else []
+    _, flags, _, _ = build_grid({**options, "recipe": None})
+    grids = [{**recipe.grid, **sub, **flags} for sub in recipe.grids]
+    cases, dropped = expand_grids(base, grids, drop_invalid=recipe.drop_invalid)
+    return cases, dropped, depths, degrees, list(recipe.layouts)

@@ -7,9 +7,14 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application, Interrupted
-from attn_doctor.cli.options import backend_options, build_case, case_options, repeats_option
+from attn_doctor.cli.options import (
+    backend_options,
+    build_case,
+    case_options,
+    repeats_option,
+)
 from attn_doctor.core.coords import CP_COMM_TYPES
-from attn_doctor.core.layouts import LAYOUTS
+from attn_doctor.core.layouts import canonical_layouts
 
 
 @click.command()
@@ -46,7 +51,7 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     specs = select(backends, kernels)
     out_path = json_path or app.new_run_dir("run") / "results.json"
     check_writable(out_path, "--json")
-    request = RunRequest(case, specs, list(layouts or LAYOUTS), resolve_device(device), app.command_line(), timeout,
+    request = RunRequest(case, specs, canonical_layouts(layouts), resolve_device(device), app.command_line(), timeout,
                          tp=tp_degree, cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc,
                          layouts_given=bool(layouts), repeats=repeats)
     title = f"{case.short()} on {request.device}"

@@ -7,9 +7,14 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application, Interrupted
-from attn_doctor.cli.options import backend_options, build_grid, grid_options, repeats_option
+from attn_doctor.cli.options import (
+    backend_options,
+    build_cases,
+    grid_options,
+    repeats_option,
+)
 from attn_doctor.core.errors import BadInput
-from attn_doctor.core.layouts import LAYOUTS
+from attn_doctor.core.layouts import canonical_layouts
 
 
 @click.command()
@@ -27,11 +32,12 @@ from attn_doctor.core.layouts import LAYOUTS
 def sweep(app: Application, backends, kernels, layouts, device, timeout, resume, out_dir, workers, repeats,
           **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
-    from attn_doctor.core.case import expand_grid
     from attn_doctor.machine.devices import check_device_name
 
-    base, grid, depths, degrees = build_grid(grid_flags)  # the input that needs no torch is checked first
-    cases = expand_grid(base, grid)
+    # the input that needs no torch is checked first
+    cases, dropped, depths, degrees, recipe_layouts = build_cases(grid_flags)
+    if not cases:
+        raise BadInput("the grid has no valid case: " + (dropped[0] if dropped else "it is empty"))
     check_device_name(device)
     if resume is not None and out_dir is not None and resume != out_dir:
         raise BadInput("give either --resume DIR or --out DIR, not both")
@@ -44,7 +50,11 @@ def sweep(app: Application, backends, kernels, layouts, device, timeout, resume,
     specs = select(backends, kernels)
     directory = resume or out_dir or app.new_run_dir("sweep")
     check_writable(directory, "--resume" if resume else "--out", directory=True)
-    request = sweeping.SweepRequest(cases, specs, list(layouts or LAYOUTS), resolve_device(device), directory,
+    if dropped:
+        app.console.print(f"{len(dropped)} combinations of the grids are not valid cases and were left out "
+                          f"(e.g. {dropped[0]})")
+    request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts) or recipe_layouts,
+                                    resolve_device(device), directory,
                                     resume=resume is not None, depths=depths, degrees=degrees, workers=workers,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
                                     repeats=repeats)

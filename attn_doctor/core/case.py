@@ -1,5 +1,11 @@
-"""The attention problem to check: shapes, dtype, mask, seed and input distribution, validated; and grids of
-them."""
+"""The attention problem to check, in TE's vocabulary: shapes, dtype, qkv format, mask type, sequence
+lengths, window, bias, softmax type, MLA head dims, FP8, seed and input distribution, validated; and grids
+of them.
+
+Which (query, key) pairs a mask type lets through, and the side inputs (bias, explicit mask, sink logits)
+drawn for a case, are in `attn_doctor.numerics.masks`. Dropout is always 0: attn-doctor compares
+deterministic functions.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,23 @@ from attn_doctor.core.errors import BadInput
 
 DTYPES = ("bf16", "fp16", "fp32")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-MASKS = ("causal", "none")
+# TE's attn_mask_type names; "none" is accepted for "no_mask" (what attn-doctor called it before).
+MASKS = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right",
+         "arbitrary")
+MASK_ALIASES = {"none": "no_mask"}
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+# TE's core_attention_bias_type, with post_scale_bias's shape: "post_scale_bias:1hss" etc.
+BIAS_SHAPES = ("1hss", "11ss", "b1ss", "bhss", "111s")
+BIASES = ("no_bias", "alibi") + tuple(f"post_scale_bias:{shape}" for shape in BIAS_SHAPES)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+FP8_RECIPES = ("none", "delayed", "current")
+# The explicit mask of mask "arbitrary": "random:P" masks each (query, key) pair out with probability P.
+DEFAULT_MASKED_FRACTION = 0.25
+# Case fields added with TE's whole API, and their defaults: a field at its default is left out of a case's
+# dict, short form and flags, so cases, documents and point ids of the dense API read as they always did.
+API_DEFAULTS: dict[str, Any] = {"qkv_format": "sbhd", "seqlens": None, "seqlens_kv": None,
+                                "pad_between_seqs": False, "head_dim_v": None, "bias": "no_bias",
+                                "softmax": "vanilla", "fp8": "none", "mask_source": None}
 # The distributions of q, k, v (`attn_doctor.numerics.inputs` says what each is and why), plainest first.
 INPUTS = ("normal", "uniform", "outliers", "large-logits", "structured")
 
@@ -36,6 +58,18 @@ class Case:
     # The distribution q, k, v are drawn from (one of INPUTS). Shown, written and keyed only when it is not
     # "normal", so every case, document and point id of the plain distribution reads as it always did.
     inputs: str = "normal"
+    # TE's qkv_format: how TE paths receive q, k, v (the other paths take their own format, thd as padded).
+    qkv_format: str = "sbhd"
+    # Per-sequence query / key-value lengths (TE's cu_seqlens); None: every sequence is seq / seq_kv long.
+    seqlens: tuple[int, ...] | None = None
+    seqlens_kv: tuple[int, ...] | None = None
+    # thd only: each sequence's slot in the packed tensor has padding after it (cu_seqlens_*_padded).
+    pad_between_seqs: bool = False
+    head_dim_v: int | None = None  # MLA: v's (and out's) head dim; None: head_dim
+    bias: str = "no_bias"  # one of BIASES
+    softmax: str = "vanilla"  # TE's softmax_type: one of SOFTMAX_TYPES (sinks)
+    fp8: str = "none"  # TE's FP8 attention recipe: one of FP8_RECIPES
+    mask_source: str | None = None  # mask "arbitrary": "random:P"
 
     @property
     def num_kv_heads(self) -> int:
@@ -47,7 +81,49 @@ class Case:
 
     @property
     def causal(self) -> bool:
-        return self.mask == "causal"
+        """A causal mask of either alignment, with or without padding."""
+        return "causal" in self.mask
+
+    @property
+    def bottom_right(self) -> bool:
+        """The causal diagonal is aligned to the bottom-right corner of each sequence's (seq_q, seq_kv)."""
+        return self.mask.endswith("bottom_right")
+
+    @property
+    def padded(self) -> bool:
+        """The mask has TE's padding part: sequences have their own lengths."""
+        return self.mask.startswith("padding")
+
+    @property
+    def d_v(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    def lengths_q(self) -> tuple[int, ...]:
+        return self.seqlens if self.seqlens is not None else (self.seq,) * self.batch
+
+    def lengths_kv(self) -> tuple[int, ...]:
+        """The key/value lengths: their own, or under self-attention the queries' (TE's single cu_seqlens)."""
+        if self.seqlens_kv is not None:
+            return self.seqlens_kv
+        if self.seqlens is not None and self.seq_k == self.seq:
+            return self.seqlens
+        return (self.seq_k,) * self.batch
+
+    @property
+    def masked_fraction(self) -> float:
+        """mask "arbitrary": the fraction of (query, key) pairs its random mask hides."""
+        if self.mask_source is None:
+            return 0.0
+        _, _, fraction = self.mask_source.partition(":")
+        return float(fraction) if fraction else DEFAULT_MASKED_FRACTION
+
+    def api_features(self) -> list[str]:
+        """The parts of TE's API beyond a dense sbhd/bshd call with a causal or no mask: what the single-call
+        probes cover and the TP, depth and distributed probes do not model."""
+        return [name for name, default in API_DEFAULTS.items()
+                if name not in ("qkv_format", "mask_source") and getattr(self, name) != default] + (
+            [f"mask {self.mask}"] if self.mask not in ("no_mask", "causal") else []) + (
+            ["thd"] if self.qkv_format == "thd" else [])
 
     @property
     def score_elements(self) -> int:
@@ -69,10 +145,15 @@ class Case:
         d["window"] = list(self.window) if self.window is not None else None
         if self.inputs == "normal":  # absent means normal: documents written before --inputs read the same
             del d["inputs"]
+        for name, default in API_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
+            elif isinstance(d[name], tuple):
+                d[name] = list(d[name])
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Case":
+    def from_dict(cls, d: dict[str, Any]) -> Case:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -81,6 +162,35 @@ class Case:
         if d.get("window") is not None:
             d["window"] = tuple(d["window"])
         return make_case(**d)
+
+    def _api_parts(self) -> list[tuple[str, str]]:
+        """(short form, `run` flag) of each API field not at its default, in table order."""
+        parts = []
+        if self.qkv_format != "sbhd":
+            parts.append((self.qkv_format, f"--qkv-format {self.qkv_format}"))
+        if self.seqlens is not None:
+            lengths = ",".join(map(str, self.seqlens))
+            parts.append((f"lens {lengths}", f"--seqlens {lengths}"))
+        if self.seqlens_kv is not None and self.seqlens_kv != self.seqlens:
+            lengths = ",".join(map(str, self.seqlens_kv))
+            parts.append((f"kvlens {lengths}", f"--seqlens-kv {lengths}"))
+        if self.pad_between_seqs:
+            parts.append(("pad-between", "--pad-between-seqs"))
+        if self.head_dim_v is not None:
+            parts.append((f"dv{self.head_dim_v}", f"--head-dim-v {self.head_dim_v}"))
+        if self.bias != "no_bias":
+            parts.append((self.bias.replace("post_scale_bias:", "bias:"), f"--bias {self.bias}"))
+        if self.softmax != "vanilla":
+            parts.append((f"softmax:{self.softmax}", f"--softmax {self.softmax}"))
+        if self.fp8 != "none":
+            parts.append((f"fp8:{self.fp8}", f"--fp8 {self.fp8}"))
+        if self.mask_source is not None:
+            parts.append((self.mask_source, f"--mask-source {self.mask_source}"))
+        return parts
+
+    def describe_api(self) -> list[str]:
+        """The API parts of the case in words, for short() and reports."""
+        return [short for short, _ in self._api_parts()]
 
     def short(self) -> str:
         parts = [f"b{self.batch}", f"s{self.seq}"]
@@ -94,7 +204,7 @@ class Case:
             parts.append(f"win{self.window[0]},{self.window[1]}")
         if self.inputs != "normal":
             parts.append(self.inputs)
-        return " ".join(parts)
+        return " ".join(parts + self.describe_api())
 
     def cli_flags(self) -> str:
         """The `attn-doctor run` flags that rebuild this case."""
@@ -113,12 +223,16 @@ class Case:
             flags.append(f"--window {self.window[0]},{self.window[1]}")
         if self.inputs != "normal":
             flags.append(f"--inputs {self.inputs}")
+        flags += [flag for _, flag in self._api_parts()]
         flags.append(f"--seed {self.seed}")
         return " ".join(flags)
 
 
 def tp_unsupported(case: Case, tp: int) -> str | None:
     """Why the heads cannot be split into `tp` tensor-parallel shards (a SKIP reason), or None."""
+    if case.api_features():
+        return (f"TP shards, depth stacks and ranks model the dense API only; this case uses "
+                f"{', '.join(case.api_features())} (check it as a single call)")
     if case.heads % tp or case.num_kv_heads % tp:
         return f"TP={tp} needs heads ({case.heads}) and kv heads ({case.num_kv_heads}) divisible by {tp}"
     return None
@@ -137,8 +251,34 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _lengths(name: str, values: Any, longest: int | None) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise BadInput(f"{name} must be a list of whole numbers (e.g. 512,387,257), got {values!r}")
+    values = tuple(values)
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise BadInput(f"{name} must be whole numbers >= 0, one per sequence (e.g. 512,387,257), got {values!r}")
+    if longest is not None and max(values) > longest:
+        raise BadInput(f"{name} {','.join(map(str, values))}: a sequence is longer than the padded length "
+                       f"{longest}; raise --seq/--seq-kv or drop it to use the longest length")
+    return values
+
+
 def make_case(**fields: Any) -> Case:
-    """Build a Case, refusing impossible combinations with a message that says how to fix them."""
+    """Build a Case, refusing impossible combinations with a message that says how to fix them.
+
+    With `seqlens` and no `batch` or `seq`, the batch is the number of sequences and seq the longest one (the
+    same for `seqlens_kv` and `seq_kv`)."""
+    fields = dict(fields)
+    if fields.get("mask") in MASK_ALIASES:
+        fields["mask"] = MASK_ALIASES[fields["mask"]]
+    for name, seq_name in (("seqlens", "seq"), ("seqlens_kv", "seq_kv")):
+        if fields.get(name) is not None:
+            fields[name] = _lengths(name, fields[name], fields.get(seq_name))
+            fields.setdefault("batch", len(fields[name]))
+            if fields.get(seq_name) is None:
+                fields[seq_name] = max(1, max(fields[name]))
+    if fields.get("seqlens_kv") is not None and fields.get("seqlens") is None and fields.get("seq") is None:
+        raise BadInput("--seqlens-kv needs --seqlens (or --seq): the query side's lengths")
     case = Case(**fields)
     # Canonical form: equal cases compare and hash equal however they were spelled.
     case = dataclasses.replace(
@@ -146,13 +286,13 @@ def make_case(**fields: Any) -> Case:
         kv_heads=case.heads if case.kv_heads is None else case.kv_heads,
         seq_kv=case.seq if case.seq_kv is None else case.seq_kv,
         window=tuple(case.window) if case.window is not None else None,
+        head_dim_v=None if case.head_dim_v == case.head_dim else case.head_dim_v,
     )
     for name in ("batch", "seq", "heads", "head_dim"):
         _positive(name, getattr(case, name))
-    if case.kv_heads is not None:
-        _positive("kv_heads", case.kv_heads)
-    if case.seq_kv is not None:
-        _positive("seq_kv", case.seq_kv)
+    for name in ("kv_heads", "seq_kv", "head_dim_v"):
+        if getattr(case, name) is not None:
+            _positive(name, getattr(case, name))
     if case.heads % case.num_kv_heads:
         raise BadInput(
             f"heads ({case.heads}) must be divisible by kv-heads ({case.num_kv_heads}): "
@@ -161,24 +301,89 @@ def make_case(**fields: Any) -> Case:
     if case.dtype not in DTYPES:
         raise BadInput(f"unknown dtype {case.dtype!r}; choose one of {', '.join(DTYPES)}")
     if case.mask not in MASKS:
-        raise BadInput(f"unknown mask {case.mask!r}; choose one of {', '.join(MASKS)}")
+        raise BadInput(f"unknown mask {case.mask!r}; choose one of {', '.join(MASKS)} (or none = no_mask)")
+    case = _check_lengths(case)
     if case.window is not None:
         left, right = case.window
         if any(not isinstance(w, int) or isinstance(w, bool) or w < -1 for w in (left, right)):
             raise BadInput(f"window must be two whole numbers >= -1 (LEFT,RIGHT; -1 = unbounded), got {case.window}")
         if case.causal and right not in (0, -1):
-            raise BadInput("a causal mask already fixes the right window to 0; use --window LEFT,0 or --mask none")
+            raise BadInput("a causal mask already fixes the right window to 0; use --window LEFT,0 or --mask no_mask")
         if case.causal and right == -1:
             case = dataclasses.replace(case, window=(left, 0))
+        if case.mask == "arbitrary":
+            raise BadInput("TE takes no sliding window with an arbitrary mask; put the window into the mask or "
+                           "use another mask type")
     if not isinstance(case.seed, int):
         raise BadInput(f"seed must be a whole number, got {case.seed!r}")
     if case.inputs not in INPUTS:
         raise BadInput(f"unknown inputs {case.inputs!r}; choose one of {', '.join(INPUTS)}")
+    for name, allowed in (("qkv_format", QKV_FORMATS), ("bias", BIASES), ("softmax", SOFTMAX_TYPES),
+                          ("fp8", FP8_RECIPES)):
+        if getattr(case, name) not in allowed:
+            raise BadInput(f"unknown {name.replace('_', '-')} {getattr(case, name)!r}; choose one of {', '.join(allowed)}")
+    if not isinstance(case.pad_between_seqs, bool):
+        raise BadInput(f"pad_between_seqs must be true or false, got {case.pad_between_seqs!r}")
+    if case.pad_between_seqs and case.qkv_format != "thd":
+        raise BadInput("--pad-between-seqs packs padding between sequences of a thd tensor; add --qkv-format thd")
+    _check_mask_source(case)
+    if case.fp8 != "none" and case.dtype == "fp32":
+        raise BadInput("FP8 attention takes bf16 or fp16 inputs (TE quantises them); use --dtype bf16 with --fp8")
     return case
 
 
+def _check_lengths(case: Case) -> Case:
+    """Sequence lengths against the mask type and the format, as TE needs them."""
+    if case.seqlens is not None and len(case.seqlens) != case.batch:
+        raise BadInput(f"--seqlens gives {len(case.seqlens)} lengths for a batch of {case.batch}; give one per "
+                       "sequence (the batch is their number when --batch is left out)")
+    if case.seqlens_kv is not None:
+        if len(case.seqlens_kv) != case.batch:
+            raise BadInput(f"--seqlens-kv gives {len(case.seqlens_kv)} lengths for a batch of {case.batch}; give "
+                           "one per sequence")
+        if case.seqlens is not None and case.seqlens_kv == case.seqlens and case.seq_k == case.seq:
+            case = dataclasses.replace(case, seqlens_kv=None)  # self-attention: the kv lengths are the q ones
+    elif case.seqlens is not None and case.seq_k != case.seq:
+        raise BadInput("cross-attention with --seqlens needs --seqlens-kv: the key/value sequences' lengths")
+    for name in ("seqlens", "seqlens_kv"):
+        values, longest = getattr(case, name), (case.seq if name == "seqlens" else case.seq_k)
+        if values is not None:
+            _lengths(name, values, longest)
+    ragged = case.seqlens is not None or case.seqlens_kv is not None
+    if ragged and not case.padded:
+        raise BadInput(f"sequence lengths need a padding mask type (TE ignores them otherwise): use --mask "
+                       f"{'padding_' + case.mask if case.causal else 'padding'} instead of {case.mask}")
+    if case.qkv_format == "thd":
+        if not ragged:
+            raise BadInput("--qkv-format thd packs sequences of given lengths: add --seqlens (e.g. 512,387,257)")
+        if not case.padded:
+            raise BadInput(f"thd needs a padding mask type: use --mask "
+                           f"{'padding_' + case.mask if case.causal else 'padding'}")
+    return case
+
+
+def _check_mask_source(case: Case) -> None:
+    if case.mask != "arbitrary":
+        if case.mask_source is not None:
+            raise BadInput("--mask-source gives the explicit mask of --mask arbitrary; drop it or use that mask")
+        return
+    if case.mask_source is None:
+        raise BadInput("--mask arbitrary needs the mask: add --mask-source random:P (each (query, key) pair masked "
+                       f"out with probability P, e.g. random:{DEFAULT_MASKED_FRACTION})")
+    kind, _, fraction = str(case.mask_source).partition(":")
+    try:
+        ok = kind == "random" and (not fraction or 0.0 <= float(fraction) <= 1.0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BadInput(f"--mask-source {case.mask_source!r}: expected random:P with 0 <= P <= 1 (e.g. random:0.25)")
+    if case.qkv_format == "thd":
+        raise BadInput("TE takes an arbitrary mask for sbhd/bshd only; use --qkv-format bshd")
+
+
 GRID_FIELDS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "window", "seed",
-               "inputs")
+               "inputs", "qkv_format", "seqlens", "seqlens_kv", "pad_between_seqs", "head_dim_v", "bias", "softmax",
+               "fp8", "mask_source")
 
 
 def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[Case]:
@@ -194,3 +399,28 @@ def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[Case]:
             seen.add(case.key())
             cases.append(case)
     return cases
+
+
+def expand_grids(base: dict[str, Any], grids: list[dict[str, list[Any]]], drop_invalid: bool = False
+                 ) -> tuple[list[Case], list[str]]:
+    """The cases of several grids over one base, joined in order, duplicates dropped; with `drop_invalid`,
+    the combinations that are not valid cases are left out and their reasons returned (once each), else the
+    first one is refused."""
+    cases, seen, dropped = [], set(), []
+    for grid in grids or [{}]:
+        unknown = sorted(set(grid) - set(GRID_FIELDS))
+        if unknown:
+            raise BadInput(f"cannot sweep over {', '.join(unknown)}; case fields are {', '.join(GRID_FIELDS)}")
+        names = [n for n in GRID_FIELDS if n in grid]
+        for values in itertools.product(*(grid[n] for n in names)):
+            try:
+                case = make_case(**{**base, **dict(zip(names, values))})
+            except BadInput as exc:
+                if not drop_invalid:
+                    raise
+                dropped.append(str(exc))
+                continue
+            if case.key() not in seen:
+                seen.add(case.key())
+                cases.append(case)
+    return cases, dropped

@@ -49,7 +49,7 @@ class BackendSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BackendSpec":
+    def from_dict(cls, d: dict[str, Any]) -> BackendSpec:
         return cls(d["name"], d["family"], dict(d.get("options", {})))
 
 
@@ -79,27 +79,27 @@ class Coords:
     # -- constructors ------------------------------------------------------------------------------------
 
     @classmethod
-    def call(cls, case: Case, backend: BackendSpec, layout: str = "contiguous") -> "Coords":
+    def call(cls, case: Case, backend: BackendSpec, layout: str = "contiguous") -> Coords:
         return cls(case, backend, layout)
 
     @classmethod
-    def tp_shards(cls, case: Case, backend: BackendSpec, tp: int, as_views: bool) -> "Coords":
+    def tp_shards(cls, case: Case, backend: BackendSpec, tp: int, as_views: bool) -> Coords:
         """TP shards as head-sliced views of the full tensors, or as contiguous copies (at tp 1: the
         unsharded call, recorded as views, as it always was)."""
         layout = "head_slice" if as_views and tp > 1 else "contiguous"
         return cls(case, backend, layout, ProbeKind.TP, tp=tp)
 
     @classmethod
-    def depth(cls, case: Case, backend: BackendSpec, layers: int, tp: int = 1) -> "Coords":
+    def depth(cls, case: Case, backend: BackendSpec, layers: int, tp: int = 1) -> Coords:
         return cls(case, backend, DEPTH_LAYOUT, ProbeKind.DEPTH, tp=tp, layers=layers)
 
     @classmethod
     def distributed(cls, case: Case, backend: BackendSpec, tp: int, cp: int,
-                    cp_comm_type: str | None) -> "Coords":
+                    cp_comm_type: str | None) -> Coords:
         return cls(case, backend, "contiguous", ProbeKind.DISTRIBUTED, tp=tp, cp=cp,
                    cp_comm_type=cp_comm_type if cp > 1 else None)
 
-    def replace(self, **changes: Any) -> "Coords":
+    def replace(self, **changes: Any) -> Coords:
         return dataclasses.replace(self, **changes)
 
     # -- derived ---------------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ class Coords:
             return (self.case.key(), "depth", self.layers)
         return (self.case.key(), "single call")
 
-    def baseline_coords(self, baseline: BackendSpec) -> "Coords":
+    def baseline_coords(self, baseline: BackendSpec) -> Coords:
         """The coordinates of the baseline probe this one is judged against."""
         if self.kind is ProbeKind.DEPTH:
             return Coords.depth(self.case, baseline, self.layers)
@@ -143,7 +143,7 @@ class Coords:
         """Why these coordinates cannot hold their case (a SKIP reason), whatever the backend."""
         case = self.case
         if self.kind is ProbeKind.CALL:
-            return layout_unsupported(self.layout, case.seq, case.seq_k, case.heads, case.num_kv_heads)
+            return layout_unsupported(self.layout, case)
         why_not = tp_unsupported(case, self.tp)
         if why_not or self.kind is ProbeKind.TP:
             if not why_not and self.kind is ProbeKind.TP and self.layout not in ("head_slice", "contiguous"):
@@ -182,7 +182,7 @@ class Coords:
                 "cp_comm_type": self.cp_comm_type}
 
     @classmethod
-    def from_params(cls, case: Case, backend: BackendSpec, layout: str, params: dict[str, Any]) -> "Coords":
+    def from_params(cls, case: Case, backend: BackendSpec, layout: str, params: dict[str, Any]) -> Coords:
         """Inverse of `params` (with the row's case, backend and layout); ValueError on a damaged object."""
         if not isinstance(params, dict):
             raise ValueError("coords is not an object")
@@ -212,7 +212,7 @@ class Coords:
                 "layers": self.layers}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Coords":
+    def from_dict(cls, d: dict[str, Any]) -> Coords:
         return cls(Case.from_dict(d["case"]), BackendSpec.from_dict(d["backend"]), d["layout"], ProbeKind(d["kind"]),
                    d["tp"], d["cp"], d.get("cp_comm_type"), d["layers"])
 

@@ -8,6 +8,14 @@ missing table or key is refused with the file and the key named, never silently 
     [grid]                     # optional, for sweep: a non-empty list per case field, or layers / tp
     layers = [24, 128]
     inputs = ["normal", "outliers"]
+    [[grids]]                  # optional, for sweep: more grids, each over [case] and [grid]; their cases
+    mask = ["padding_causal"]  #   are joined (a feature space too sparse for one cross product)
+    seqlens = [[512, 387, 257, 1]]
+    drop_invalid = true        # optional: leave out the combinations TE's API cannot take (counted)
+    layouts = ["contiguous"]   # optional: the sweep's layouts when --layout is not given
+
+"none" stands for no value where a field may have none (window, seqlens, seqlens_kv, head_dim_v,
+mask_source).
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from attn_doctor.core.case import GRID_FIELDS, Case, make_case
 from attn_doctor.core.errors import BadInput
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-TOP_LEVEL = ("description", "case", "grid")
+TOP_LEVEL = ("description", "case", "grid", "grids", "drop_invalid", "layouts")
+NONE_FIELDS = ("window", "seqlens", "seqlens_kv", "head_dim_v", "mask_source")
 GRID_KEYS = GRID_FIELDS + ("layers", "tp")
 
 
@@ -40,6 +49,9 @@ class Recipe:
     description: str
     case: dict[str, Any]
     grid: dict[str, list[Any]] = field(default_factory=dict)
+    grids: list[dict[str, list[Any]]] = field(default_factory=list)  # more grids, each over case and grid
+    drop_invalid: bool = False  # leave out the grids' combinations that are not valid cases
+    layouts: list[str] = field(default_factory=list)  # the sweep's layouts when none are given
 
 
 def find_recipe(name_or_path: str) -> Path:
@@ -72,25 +84,61 @@ def load_recipe(name_or_path: str) -> Recipe:
     unknown = sorted(set(data) - set(TOP_LEVEL))
     if unknown:
         raise BadInput(f"recipe {path}: unknown table or key {', '.join(unknown)}; a recipe holds description, "
-                       "[case] and [grid]")
-    case, grid = data.get("case"), data.get("grid", {})
+                       "[case], [grid], [[grids]], drop_invalid and layouts")
+    case, grid, grids = data.get("case"), data.get("grid", {}), data.get("grids", [])
     if case is None:
         raise BadInput(f"recipe {path} has no [case] table; put the case's fields (batch, seq, heads, ...) under [case]")
     if not isinstance(case, dict) or not isinstance(grid, dict):
         raise BadInput(f"recipe {path}: [case] and [grid] must be tables")
+    if not isinstance(grids, list) or not all(isinstance(g, dict) for g in grids):
+        raise BadInput(f"recipe {path}: grids must be an array of tables ([[grids]])")
     known = {f.name for f in dataclasses.fields(Case)}
     unknown = sorted(set(case) - known)
     if unknown:
         raise BadInput(f"recipe {path}: unknown case field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    case = _nones(case, path, "case", single=True)
+    grid = _checked_grid(grid, path, "grid")
+    grids = [_checked_grid(g, path, f"grids[{i}]") for i, g in enumerate(grids)]
+    drop_invalid = data.get("drop_invalid", False)
+    layouts = data.get("layouts", [])
+    if not isinstance(drop_invalid, bool):
+        raise BadInput(f"recipe {path}: drop_invalid must be true or false")
+    from attn_doctor.core.layouts import LAYOUTS, canonical_layouts
+
+    if not isinstance(layouts, list) or any(name not in LAYOUTS for name in canonical_layouts(layouts)):
+        raise BadInput(f"recipe {path}: layouts must be a list of {', '.join(LAYOUTS)} (or TE's names)")
+    make_case(**case)  # validate now, so a broken recipe fails before any work starts
+    return Recipe(path.stem, path, str(data.get("description", "")), case, grid, grids, drop_invalid,
+                  canonical_layouts(layouts))
+
+
+def _checked_grid(grid: dict, path: Path, where: str) -> dict[str, list[Any]]:
     unknown = sorted(set(grid) - set(GRID_KEYS))
     if unknown:
-        raise BadInput(f"recipe {path}: unknown grid key(s) {', '.join(unknown)}; known: {', '.join(GRID_KEYS)}")
+        raise BadInput(f"recipe {path}: unknown {where} key(s) {', '.join(unknown)}; known: {', '.join(GRID_KEYS)}")
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
-            raise BadInput(f"recipe {path}: grid.{key} must be a non-empty list")
-    if "window" in case:
-        case = {**case, "window": _window(case["window"], path, "case.window")}
-    if "window" in grid:
-        grid = {**grid, "window": [_window(w, path, "each grid.window entry") for w in grid["window"]]}
-    make_case(**case)  # validate now, so a broken recipe fails before any work starts
-    return Recipe(path.stem, path, str(data.get("description", "")), case, grid)
+            raise BadInput(f"recipe {path}: {where}.{key} must be a non-empty list")
+    return _nones(grid, path, where, single=False)
+
+
+def _nones(fields: dict[str, Any], path: Path, where: str, single: bool) -> dict[str, Any]:
+    """"none" as None where a field may have no value; windows and lengths as tuples."""
+    def one(name: str, value: Any) -> Any:
+        if name not in NONE_FIELDS:
+            return value
+        if value is None or value == "none":
+            return None
+        if name == "window":
+            return _window(value, path, f"{where}.window")
+        if name in ("seqlens", "seqlens_kv"):
+            if not isinstance(value, list):
+                raise BadInput(f"recipe {path}: {where}.{name} must be a list of lengths or \"none\", got {value!r}")
+            return tuple(value)
+        return value
+    if single:
+        return {name: one(name, value) for name, value in fields.items()}
+    return {name: [one(name, v) for v in values] if name not in ("layers", "tp") else values
+            for name, values in fields.items()}
+
+

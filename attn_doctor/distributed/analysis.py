@@ -6,7 +6,7 @@ case and kept for its other backends)."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from attn_doctor.backends import BASELINE, Backend, Unsupported
 from attn_doctor.core import layouts
@@ -21,7 +21,7 @@ from attn_doctor.numerics.reference import Reference, attention_reference
 
 def single_process_run(ctx: Context, backend: Backend, case: Case, inputs: Inputs) -> list:
     """The backend on the full tensors in this one process (contiguous, its own format): bshd out, dq, dk, dv."""
-    fmt = backend.qkv_format
+    fmt = backend.format_for(case)
     leaves = [layouts.to_format(t, fmt).contiguous().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
     out = backend.forward(*leaves, case)
     grads = ctx.torch.autograd.grad(out, leaves, layouts.to_format(inputs.dout, fmt).contiguous())
@@ -104,8 +104,8 @@ class RankZero:
         if self._case_key != case.key():
             self._case_runs = None  # free the previous case first
             start = time.perf_counter()
-            reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,
-                                            softmax_scale=case.softmax_scale, window=case.window)
+            reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, softmax_scale=case.softmax_scale,
+                                            semantics=inputs.semantics)
             synchronize(self.ctx.device)
             reference_s = time.perf_counter() - start
             start = time.perf_counter()

@@ -96,7 +96,7 @@ def run_native(ctx: Context, backend: Backend, case: Case, q, k, v, dout):
 
 def run_tp_only(ctx: Context, backend: Backend, shard_case: Case, q, k, v, dout):
     """cp == 1: the backend on this rank's head shard, no communication."""
-    fmt = backend.qkv_format
+    fmt = backend.format_for(shard_case)
 
     def work():
         leaves = [layouts.to_format(t, fmt).contiguous().requires_grad_() for t in (q, k, v)]
@@ -131,7 +131,7 @@ def run_cp_gather(ctx: Context, backend: Backend, case: Case, shard_case: Case, 
 def run_cp_a2a(ctx: Context, backend: Backend, case: Case, shard_case: Case, q, k, v, dout):
     """CP a2a (Ulysses): sequence shards -> head shards over the full sequence, the backend unchanged,
     and back."""
-    seq, fmt = case.seq, backend.qkv_format
+    seq, fmt = case.seq, backend.format_for(case)
     ctx.collective("all_to_all of q, k, v, dout")
     q_a, k_a, v_a, dout_a = (a2a_seq_to_heads(ctx, t, seq) for t in (q, k, v, dout))
     a2a_case = dataclasses.replace(shard_case, heads=q_a.shape[2], kv_heads=k_a.shape[2], seq=seq, seq_kv=seq)

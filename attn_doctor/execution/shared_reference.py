@@ -20,7 +20,7 @@ import io
 import pickle
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -107,8 +107,8 @@ class ReferenceStore:
             tensors = tuple(float64_replica_dqs(case, layers, device, TORCH_DTYPES[case.dtype], self.on_progress))
         else:
             inputs = make_inputs(case, device)
-            reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, causal=case.causal,
-                                            softmax_scale=case.softmax_scale, window=case.window)
+            reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, softmax_scale=case.softmax_scale,
+                                            semantics=inputs.semantics)
             tensors = reference.shared()
         synchronize(device)
         return tensors

@@ -19,8 +19,7 @@ The defects are data, in ``attn_doctor/data/known_bugs.toml`` (shipped as packag
     ``softmax_sink``, ``bias``.
   case (:data:`CASE_KEYS`)
     ``dtype`` list of "bf16"/"fp16"/"fp32"/"fp8"; ``qkv_format`` list of "bshd"/"sbhd"/"thd"/"bhsd"
-    (from the context: the backend's format); ``mask`` list (attn-doctor's "none"/"causal" or TE's
-    other mask names); ``window`` bool (a sliding window is set, left != -1); ``causal`` bool;
+    (from the context: the backend's format); ``mask`` list (TE's mask names; "none" is read as no_mask); ``window`` bool (a sliding window is set, left != -1); ``causal`` bool;
     ``cross_attention`` bool (seq != seq_kv); ``seq_kv_gt`` int; ``seq_kv_not_multiple_of`` int;
     ``head_dim_qk_ge`` / ``head_dim_v_ge`` int; ``head_dims_differ`` bool (d_qk != d_v);
     ``head_dims_not_in`` list of [d_qk, d_v] pairs excluded; ``head_dim_v_not_in`` list of ints.
@@ -84,7 +83,8 @@ CONDITION_KEYS = ENV_KEYS + CONTEXT_KEYS + CASE_KEYS
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
 QKV_FORMATS = ("bshd", "sbhd", "thd", "bhsd")
 MASK_NAMES = (
-    "none",
+    "no_mask",
+    "none",  # the name attn-doctor used for no_mask before TE's mask types
     "causal",
     "padding",
     "padding_causal",
@@ -410,7 +410,7 @@ def _match_case(when: Mapping[str, Any], case: Case, context: MatchContext) -> l
             return None
         pieces.append(f"qkv_format {context.qkv_format}")
     if "mask" in when:
-        if case.mask not in when["mask"]:
+        if case.mask not in ["no_mask" if m == "none" else m for m in when["mask"]]:
             return None
         pieces.append(f"mask {case.mask}")
     if "window" in when:
@@ -533,6 +533,9 @@ def case_descriptions(env: EnvReport,
     for case, formats in cases:
         for entry in formats or [None]:
             values = dict(entry) if isinstance(entry, Mapping) else {"qkv_format": entry}
+            # What the case itself sets about how the attention runs.
+            values = {"fp8": case.fp8 != "none", "softmax_sink": case.softmax != "vanilla",
+                      "bias": case.bias != "no_bias", **values}
             context = MatchContext.from_env(env, **values)
             for match in match_case(bugs, env, case, context):
                 found.setdefault(match.bug.id, describe(match))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from attn_doctor.core.case import Case
+from attn_doctor.numerics.masks import Semantics, alibi_slopes
 
 OUTLIER_SCALE = 20.0  # outliers: the outlier channels' factor
 OUTLIER_EVERY = 32  # outliers: one outlier channel per this many head-dim channels (at least one)
@@ -30,6 +31,9 @@ RANK = 4  # structured: the rank of q, k, v (at most the head dim)
 KEY_MEAN_SCALE = 4.0  # structured: the std of the entries of each head's shared key mean vector
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The side inputs (explicit mask, bias, sink logits) come from a generator of their own, seeded from the
+# case's seed plus this, so that q, k, v and dout are drawn exactly as in a case without them.
+SIDE_SEED_OFFSET = 1_000_003
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Inputs:
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor
+    semantics: Semantics | None = None  # mask, bias and sink of the case (`make_semantics`)
 
 
 def outlier_channels(head_dim: int, seed: int) -> list[int]:
@@ -55,6 +60,7 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
     generator = torch.Generator(device=device).manual_seed(case.seed)
     dtype = TORCH_DTYPES[case.dtype]
     b, s, skv, h, hkv, d = case.batch, case.seq, case.seq_k, case.heads, case.num_kv_heads, case.head_dim
+    dv = case.d_v
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
@@ -64,14 +70,14 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
             u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
             return u.mul_(2.0).sub_(1.0).mul_(3 ** 0.5).to(dtype)
 
-        q, k, v = uniform(b, s, h, d), uniform(b, skv, hkv, d), uniform(b, skv, hkv, d)
+        q, k, v = uniform(b, s, h, d), uniform(b, skv, hkv, d), uniform(b, skv, hkv, dv)
     elif case.inputs == "structured":
         rank = min(RANK, d)
 
-        def low_rank(n: int, heads: int) -> torch.Tensor:
+        def low_rank(n: int, heads: int, width: int = d) -> torch.Tensor:
             """Per token `rank` coefficients of a per-head basis, summed elementwise (a matmul could take
             TF32 in one process and not in another)."""
-            coefficients, basis = randn(b, n, heads, rank), randn(heads, rank, d)
+            coefficients, basis = randn(b, n, heads, rank), randn(heads, rank, width)
             x = coefficients[..., 0, None] * basis[:, 0]
             for i in range(1, rank):
                 x.addcmul_(coefficients[..., i, None], basis[:, i])
@@ -80,13 +86,16 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
         q = low_rank(s, h).to(dtype)
         k = low_rank(skv, hkv)
         k = k.add_(randn(hkv, d).mul_(KEY_MEAN_SCALE)).to(dtype)  # every key of a head shares its mean vector
-        v = low_rank(skv, hkv).to(dtype)
+        v = low_rank(skv, hkv, dv).to(dtype)
     else:  # normal, outliers, large-logits: standard normal, then scaled
         q_scale = k_scale = v_scale = None  # a factor, or one per head-dim channel
         if case.inputs == "outliers":
             channels = torch.ones(d, device=device, dtype=torch.float32)
             channels[outlier_channels(d, case.seed)] = OUTLIER_SCALE
             q_scale = k_scale = v_scale = channels
+            if dv != d:
+                v_scale = torch.ones(dv, device=device, dtype=torch.float32)
+                v_scale[outlier_channels(dv, case.seed)] = OUTLIER_SCALE
         elif case.inputs == "large-logits":
             q_scale = k_scale = LOGIT_SCALE
 
@@ -94,9 +103,37 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
             x = randn(*shape)
             return (x if scale is None else x.mul_(scale)).to(dtype)
 
-        q, k, v = draw(q_scale, b, s, h, d), draw(k_scale, b, skv, hkv, d), draw(v_scale, b, skv, hkv, d)
-    dout = randn(b, s, h, d).to(dtype)
-    return Inputs(q, k, v, dout)
+        q, k, v = draw(q_scale, b, s, h, d), draw(k_scale, b, skv, hkv, d), draw(v_scale, b, skv, hkv, dv)
+    dout = randn(b, s, h, dv).to(dtype)
+    return Inputs(q, k, v, dout, make_semantics(case, device))
+
+
+def make_semantics(case: Case, device: torch.device) -> Semantics:
+    """The case's explicit mask, bias and sink logits (`attn_doctor.numerics.masks`), seeded:
+
+    - arbitrary mask "random:P": each (query, key) pair of each sequence hidden with probability P;
+    - post_scale_bias: standard normal in the inputs' dtype (TE takes the bias in the inputs' dtype);
+    - alibi: TE's default slopes;
+    - off-by-one: sink logits 0; learnable: standard normal sink logits per head, float32 (TE's parameter)."""
+    semantics = Semantics(case)
+    if case.mask != "arbitrary" and case.bias == "no_bias" and case.softmax == "vanilla":
+        return semantics
+    generator = torch.Generator(device=device).manual_seed(case.seed + SIDE_SEED_OFFSET)
+    if case.mask == "arbitrary":
+        draws = torch.rand(case.batch, 1, case.seq, case.seq_k, generator=generator, device=device)
+        semantics.allowed = draws >= case.masked_fraction
+    if case.bias == "alibi":
+        semantics.alibi_slopes = alibi_slopes(case.heads).to(device)
+    elif case.bias != "no_bias":
+        sizes = {"1": 1, "b": case.batch, "h": case.heads}
+        layout = case.bias.partition(":")[2]  # e.g. "1hss": batch, heads, then seq_q (or 1) and seq_kv
+        shape = (sizes[layout[0]], sizes[layout[1]], case.seq if layout[2] == "s" else 1, case.seq_k)
+        semantics.bias = torch.randn(shape, generator=generator, device=device).to(TORCH_DTYPES[case.dtype])
+    if case.softmax == "off-by-one":
+        semantics.sink = torch.zeros(case.heads, device=device)
+    elif case.softmax == "learnable":
+        semantics.sink = torch.randn(case.heads, generator=generator, device=device)
+    return semantics
 
 
 def synchronize(device: torch.device) -> None:

@@ -46,16 +46,27 @@ class TensorMetrics:
     bias_z: float = 0.0  # the bias over its spread (see the module docstring)
     head_bias: float = 0.0  # the bias of the (batch, head) slice with the largest |bias_z|
     head_bias_z: float = 0.0
+    # Rows that see no key (left out of everything above; their own rule: `attn_doctor.verdict.rule`):
+    empty_rows: int = 0  # how many (batch, position, head) rows
+    empty_rows_max: float = 0.0  # max |x| over them, relative to the RMS norm of the rows compared above
+    empty_rows_nonfinite: int = 0
+    # Padding (positions beyond a sequence's length; set by the probe, which knows the format):
+    padding_values: int = 0  # how many values the tensor holds in padding
+    padding_nonzero: int = 0  # how many of them are not 0 (TE writes zeros there)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None = None) -> TensorMetrics:
+def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None = None,
+            rows: torch.Tensor | None = None, empty_rows: torch.Tensor | None = None) -> TensorMetrics:
     """Compare bshd-shaped tensors [batch, seq, heads, dim] (any dtype/strides) against float64 `reference`.
 
     `terms` [batch, seq, heads, 2] are the reference's squared term magnitudes per row, as they are and with
-    the fp32 scores' rounding (`Reference.terms`); without them the scale is the exact norm alone."""
+    the fp32 scores' rounding (`Reference.terms`); without them the scale is the exact norm alone.
+    `rows` (bool, [batch, seq] or [batch, seq, heads]) are the rows compared; the others (padding, rows that
+    see no key) neither dilute nor inflate any figure. `empty_rows` (same shapes) are measured on their own:
+    how large and how finite the candidate is there."""
     if terms is not None and terms.dim() == 3:  # one set of magnitudes: the noise's scale too
         terms = terms[..., None].expand(*terms.shape, 2)
     if candidate.shape != reference.shape:
@@ -71,9 +82,26 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tenso
     head_terms = torch.zeros(batch, heads, 2, dtype=f64, device=reference.device)
     head_proj, head_proj_sq = torch.zeros_like(head_sq_diff), torch.zeros_like(head_sq_diff)
     nan = inf = ref_nonfinite = 0
+    empty_max, empty_nonfinite, empty_count = zero.clone(), 0, 0
+
+    def row_mask(mask: torch.Tensor | None, start: int) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        part = mask[:, start : start + step].to(reference.device)
+        return (part[..., None] if part.dim() == 2 else part)[..., None]  # [b, s, 1 or h, 1]
+
     for start in range(0, seq, step):
         x = candidate[:, start : start + step].to(device=reference.device, dtype=f64)
         r = reference[:, start : start + step]
+        empty = row_mask(empty_rows, start)
+        if empty is not None and bool(empty.any()):
+            on_empty = torch.where(empty, x, 0.0)
+            empty_nonfinite += int((~torch.isfinite(on_empty)).sum())
+            empty_max = torch.maximum(empty_max, torch.nan_to_num(on_empty, nan=0.0, posinf=0.0, neginf=0.0).abs().max())
+            empty_count += int(empty.expand(*x.shape[:3], 1).sum())
+        counted = row_mask(rows, start)
+        if counted is not None:
+            x, r = torch.where(counted, x, 0.0), torch.where(counted, r, 0.0)
         x_finite, r_finite = torch.isfinite(x), torch.isfinite(r)
         nan += int(torch.isnan(x).sum())
         inf += int(torch.isinf(x).sum())
@@ -94,7 +122,10 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tenso
         head_proj += row_proj.sum(dim=1)
         head_proj_sq += row_proj.square().sum(dim=1)
         if terms is not None:
-            head_terms += terms[:, start : start + step].to(device=reference.device, dtype=f64).sum(dim=1)
+            part = terms[:, start : start + step].to(device=reference.device, dtype=f64)
+            if counted is not None:
+                part = torch.where(counted, part, 0.0)
+            head_terms += part.sum(dim=1)
     ref_norm = math.sqrt(float(sq_ref))
     cand_norm = math.sqrt(float(sq_cand))
     diff_norm = math.sqrt(float(sq_diff))
@@ -122,7 +153,20 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tenso
         noise_ratio=noise_ratio,
         worst_head_noise_ratio=math.sqrt(float(head_noise.max())) if head_noise.numel() else 1.0,
         bias=bias, bias_z=bias_z, head_bias=head_bias, head_bias_z=head_bias_z,
+        empty_rows=empty_count,
+        empty_rows_max=safe_ratio(float(empty_max), _rms_row(float(sq_ref), rows, candidate.shape)),
+        empty_rows_nonfinite=empty_nonfinite,
     )
+
+
+def _rms_row(sq_ref: float, rows: torch.Tensor | None, shape: torch.Size) -> float:
+    """The root-mean-square norm of the compared rows of the exact tensor: the size a row has."""
+    batch, seq, heads = shape[:3]
+    if rows is None:
+        count = batch * seq * heads
+    else:
+        count = int(rows.sum()) * (heads if rows.dim() == 2 else 1)
+    return math.sqrt(sq_ref / count) if count else 0.0
 
 
 def safe_ratio(err: float, scale: float) -> float:

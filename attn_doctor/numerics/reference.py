@@ -49,9 +49,12 @@ keys or values) the exact row is ~0 while this stays the size of the noise every
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from attn_doctor.numerics.masks import Semantics, Visibility, visible_pairs
 
 # Bytes for float64 score tiles. On CUDA: at seq 131072, 1024 rows of 4 heads' probabilities kept (4 GiB),
 # 18.6 GiB in all with 16 heads.
@@ -82,9 +85,15 @@ class Reference:
     dq_terms: torch.Tensor | None = None
     dk_terms: torch.Tensor | None = None
     dv_terms: torch.Tensor | None = None
+    # A learnable softmax sink's gradient, per head, as [1, 1, heads, 1] (terms [1, 1, heads, 2]); else None.
+    dsink: torch.Tensor | None = None
+    dsink_terms: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv}
+        found = {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv}
+        if self.dsink is not None:
+            found["dsink"] = self.dsink
+        return found
 
     def terms(self, name: str) -> torch.Tensor | None:
         return getattr(self, f"{name}_terms")
@@ -92,65 +101,47 @@ class Reference:
     def shared(self) -> tuple[torch.Tensor | None, ...]:
         """Every tensor, in field order (`Reference(*shared)` rebuilds it): what workers map."""
         return (self.out, self.dq, self.dk, self.dv, self.lse,
-                self.out_terms, self.dq_terms, self.dk_terms, self.dv_terms)
+                self.out_terms, self.dq_terms, self.dk_terms, self.dv_terms, self.dsink, self.dsink_terms)
 
 
 
-def _edges(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
-    """(left, right) reach of a query row in keys, -1 for unbounded; causal caps the right reach at 0."""
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    return left, right
-
-
-def key_range(q_start: int, q_stop: int, seq_kv: int, causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
-    """Columns [k0, k1) that queries [q_start, q_stop) can see (top-left aligned causal, TE window convention)."""
-    left, right = _edges(causal, window)
-    k0 = 0 if left < 0 else max(0, q_start - left)
-    k1 = seq_kv if right < 0 else min(seq_kv, q_stop + right)
+def key_range(q_start: int, q_stop: int, seq_kv: int, vis: Visibility) -> tuple[int, int]:
+    """Columns [k0, k1) that queries [q_start, q_stop) can see."""
+    k0 = 0 if vis.left < 0 else max(0, q_start + vis.diag - vis.left)
+    k1 = seq_kv if vis.right < 0 else max(0, min(seq_kv, q_stop + vis.diag + vis.right))
     return k0, max(k0, k1)
 
 
 def allowed_mask(
     rows: torch.Tensor, cols: torch.Tensor, causal: bool, window: tuple[int, int] | None
 ) -> torch.Tensor | None:
-    """Boolean [len(rows), len(cols)] mask of visible (query, key) pairs, or None when all are visible."""
-    left, right = _edges(causal, window)
-    mask = None
-    if right >= 0:
-        mask = cols[None, :] <= rows[:, None] + right
-    if left >= 0:
-        lower = cols[None, :] >= rows[:, None] - left
-        mask = lower if mask is None else mask & lower
-    return mask
+    """Boolean [len(rows), len(cols)] mask of visible (query, key) pairs under top-left causal / window
+    semantics, or None when all are visible (the TP, depth and distributed probes' dense cases)."""
+    return visible_pairs(Visibility.top_left(causal, window), rows, cols)
 
 
-def rows_seeing_keys(q0: int, q1: int, seq_kv: int, causal: bool, window: tuple[int, int] | None,
-                     device: torch.device) -> torch.Tensor:
+def _rows_seeing_keys(q0: int, q1: int, seq_kv: int, vis: Visibility, device: torch.device) -> torch.Tensor:
     """Boolean [q1 - q0]: which queries see at least one key."""
-    left, right = _edges(causal, window)
-    rows = torch.arange(q0, q1, device=device)
-    first = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
-    stop = (rows + right + 1).clamp(max=seq_kv) if right >= 0 else torch.full_like(rows, seq_kv)
+    rows = torch.arange(q0, q1, device=device) + vis.diag
+    first = (rows - vis.left).clamp(min=0) if vis.left >= 0 else torch.zeros_like(rows)
+    stop = (rows + vis.right + 1).clamp(max=seq_kv) if vis.right >= 0 else torch.full_like(rows, seq_kv)
     return stop > first
 
 
-def _mask_tile(scores: torch.Tensor, q0: int, q1: int, c0: int, c1: int, group: int, causal: bool,
-               window: tuple[int, int] | None) -> None:
+def _mask_tile(scores: torch.Tensor, q0: int, q1: int, c0: int, c1: int, group: int, vis: Visibility) -> None:
     """Fill -inf where the mask hides keys [c0, c1) from queries [q0, q1), touching only the column ranges
     the mask can reach in this tile (for causal, the diagonal strip), not the whole tile."""
-    left, right = _edges(causal, window)
     ranges = []
-    if right >= 0 and c1 > q0 + right + 1:
-        ranges.append((max(c0, q0 + right + 1), c1))  # keys past the first row's right edge
-    if left >= 0 and c0 < q1 - 1 - left:
-        ranges.append((c0, min(c1, q1 - 1 - left)))  # keys before the last row's left edge
+    first, last = q0 + vis.diag, q1 - 1 + vis.diag  # the block's rows, shifted to their diagonal
+    if vis.right >= 0 and c1 > first + vis.right + 1:
+        ranges.append((max(c0, first + vis.right + 1), c1))  # keys past the first row's right edge
+    if vis.left >= 0 and c0 < last - vis.left:
+        ranges.append((c0, min(c1, last - vis.left)))  # keys before the last row's left edge
     if not ranges:
         return
     rows = torch.arange(q0, q1, device=scores.device).repeat(group)
     for r0, r1 in ranges:
-        visible = allowed_mask(rows, torch.arange(r0, r1, device=scores.device), causal, window)
+        visible = visible_pairs(vis, rows, torch.arange(r0, r1, device=scores.device))
         scores[..., r0 - c0:r1 - c0].masked_fill_(~visible, float("-inf"))
 
 
@@ -211,17 +202,90 @@ def attention_reference(
     v: torch.Tensor,
     dout: torch.Tensor | None,
     *,
-    causal: bool,
     softmax_scale: float,
+    causal: bool = False,
     window: tuple[int, int] | None = None,
+    semantics: Semantics | None = None,
     block_bytes: int | None = None,
     with_terms: bool = True,
 ) -> Reference:
-    """Float64 out, dq, dk, dv and log-sum-exp of softmax(q k^T * scale + mask) v, tile by tile, and (with
-    `with_terms`) the term magnitudes of each row of out, dq, dk, dv.
+    """Float64 out, dq, dk, dv and log-sum-exp of softmax(q k^T * scale + bias + mask, sink) v, tile by tile,
+    and (with `with_terms`) the term magnitudes of each row of out, dq, dk, dv (and of dsink).
 
-    With `dout` None only the forward is computed (dq, dk, dv and the term magnitudes are returned as None).
+    The attention is the case's (`semantics`: TE's mask types, lengths, bias and sink; see
+    `attn_doctor.numerics.masks`) or, without semantics, a dense one with a top-left causal mask and window.
+    Padded positions (beyond a sequence's length) get 0 and lse -inf. With `dout` None only the forward is
+    computed (dq, dk, dv and the term magnitudes are returned as None).
     """
+    if semantics is None or not semantics.per_sequence:
+        vis = Visibility.top_left(causal, window) if semantics is None else semantics.visibility(0)
+        bias = sink = None
+        if semantics is not None:
+            bias = None if semantics.bias is None else semantics.bias[0].to(torch.float64)
+            sink = semantics.sink
+        result = _attention(q, k, v, dout, vis, softmax_scale, bias=bias, sink=sink, block_bytes=block_bytes,
+                            with_terms=with_terms)
+        if semantics is None or semantics.case.softmax != "learnable":
+            result.dsink = result.dsink_terms = None  # a fixed sink (off-by-one) has no gradient to judge
+        return result
+    return _per_sequence(q, k, v, dout, semantics, softmax_scale, block_bytes, with_terms)
+
+
+def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None,
+                  semantics: Semantics, softmax_scale: float, block_bytes: int | None,
+                  with_terms: bool) -> Reference:
+    """One sequence at a time, each at its own lengths, its mask and bias; gathered into padded tensors."""
+    batch, seq_q, heads, _ = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    f64, device = torch.float64, q.device
+    case = semantics.case
+    result = Reference(
+        out=torch.zeros(batch, seq_q, heads, v.shape[-1], dtype=f64, device=device), dq=None, dk=None, dv=None,
+        lse=torch.full((batch, heads, seq_q), float("-inf"), dtype=f64, device=device))
+    if dout is not None:
+        result.dq = torch.zeros(q.shape, dtype=f64, device=device)
+        result.dk = torch.zeros(k.shape, dtype=f64, device=device)
+        result.dv = torch.zeros(v.shape, dtype=f64, device=device)
+        if with_terms:
+            result.out_terms = torch.zeros(batch, seq_q, heads, 2, dtype=f64, device=device)
+            result.dq_terms = torch.zeros_like(result.out_terms)
+            result.dk_terms = torch.zeros(batch, seq_kv, kv_heads, 2, dtype=f64, device=device)
+            result.dv_terms = torch.zeros_like(result.dk_terms)
+    for b in range(batch):
+        len_q, len_kv = case.lengths_q()[b], case.lengths_kv()[b]
+        if len_q == 0 or len_kv == 0:
+            continue  # no query or no key: out 0, no gradient (with a sink too: out 0 makes d sink 0)
+        allowed = None if semantics.allowed is None else semantics.allowed[b, 0, :len_q, :len_kv]
+        one = _attention(
+            q[b:b + 1, :len_q], k[b:b + 1, :len_kv], v[b:b + 1, :len_kv],
+            None if dout is None else dout[b:b + 1, :len_q], semantics.visibility(b), softmax_scale,
+            bias=semantics.bias_of(b, len_q, len_kv, device), allowed=allowed, sink=semantics.sink,
+            block_bytes=block_bytes, with_terms=with_terms)
+        result.out[b, :len_q] = one.out[0]
+        result.lse[b, :, :len_q] = one.lse[0]
+        for name in ("dq", "dk", "dv", "out_terms", "dq_terms", "dk_terms", "dv_terms"):
+            got = getattr(one, name)
+            if got is not None:
+                getattr(result, name)[b, :got.shape[1]] = got[0]
+        if one.dsink is not None:
+            result.dsink = one.dsink if result.dsink is None else result.dsink + one.dsink
+            if one.dsink_terms is not None:
+                result.dsink_terms = (one.dsink_terms if result.dsink_terms is None
+                                      else result.dsink_terms + one.dsink_terms)
+    if dout is not None and semantics.sink is not None and case.softmax == "learnable" and result.dsink is None:
+        result.dsink = torch.zeros(1, 1, heads, 1, dtype=f64, device=device)  # every sequence was empty
+        result.dsink_terms = torch.zeros(1, 1, heads, 2, dtype=f64, device=device) if with_terms else None
+    if semantics.case.softmax != "learnable":
+        result.dsink = result.dsink_terms = None
+    return result
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None, vis: Visibility,
+               softmax_scale: float, *, bias: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+               sink: torch.Tensor | None = None, block_bytes: int | None = None,
+               with_terms: bool = True) -> Reference:
+    """The tiled computation for sequences that share one visibility: `bias` float64 broadcastable to
+    [heads, seq_q, seq_kv], `allowed` bool [seq_q, seq_kv] (True = visible, one sequence), `sink` [heads]."""
     batch, seq_q, heads, head_dim = q.shape
     _, seq_kv, kv_heads, head_dim_v = v.shape
     group = heads // kv_heads
@@ -232,19 +296,25 @@ def attention_reference(
     def per_kv_head(t: torch.Tensor) -> torch.Tensor:
         return t.to(f64).permute(0, 2, 1, 3).reshape(pairs, seq_kv, t.shape[-1])
 
-    # Before the big allocations: the float64 norms are transient.
-    shift_free = _score_bound_of_all(q, k, softmax_scale) <= SHIFT_FREE_BOUND
+    # Before the big allocations: the float64 norms are transient. A bias widens the scores' range, a sink
+    # logit must fit in exp's range too.
+    bias_top = 0.0 if bias is None or not bias.numel() else float(bias.abs().amax())
+    sink64 = None if sink is None else sink.to(device=device, dtype=f64)
+    sink_top = 0.0 if sink64 is None else float(sink64.abs().amax())
+    shift_free = max(_score_bound_of_all(q, k, softmax_scale) + bias_top, sink_top) <= SHIFT_FREE_BOUND
     k_ext = _extended(per_kv_head(k), 1.0)  # [pairs, s_kv, d + pad]
     v_ext = _extended(per_kv_head(v), 1.0)
     v_squared = v_ext[..., :head_dim_v].square() if dout is not None and with_terms else None
     score_precision = _score_precision(q.dtype)
     out = torch.zeros(pairs, group, seq_q, head_dim_v, dtype=f64, device=device)
     lse = torch.full((pairs, group, seq_q), float("-inf"), dtype=f64, device=device)
-    grads = terms = None
+    grads = terms = dsink = None
     if dout is not None:
         grads = (torch.zeros(pairs, group, seq_q, head_dim, dtype=f64, device=device),
                  torch.zeros(pairs, seq_kv, head_dim, dtype=f64, device=device),
                  torch.zeros(pairs, seq_kv, head_dim_v, dtype=f64, device=device))
+        if sink64 is not None:  # per (pair, group member): the sink logit's gradient and its terms
+            dsink = torch.zeros(pairs, group, 3, dtype=f64, device=device)
     if dout is not None and with_terms:
         # Per row: out and dq like the queries, dk and dv like the keys (see "Term magnitudes" above).
         terms = (torch.zeros(pairs, group, seq_q, 2, dtype=f64, device=device),
@@ -260,19 +330,24 @@ def attention_reference(
     plan = plan_tiles(pairs, group, seq_q, seq_kv, device, block_bytes)
     for p0 in range(0, pairs, plan.pairs):
         p1 = min(pairs, p0 + plan.pairs)
+        kv_head = torch.arange(p0, p1, device=device) % kv_heads  # each pair's kv head
         chunk = _Chunk(k_ext[p0:p1], v_ext[p0:p1], out[p0:p1], lse[p0:p1], score_precision,
                        None if grads is None else tuple(g[p0:p1] for g in grads),
                        k_norms=None if shift_free else k_ext[p0:p1, :, :head_dim].norm(dim=-1),
                        terms=None if terms is None else tuple(t[p0:p1] for t in terms),
-                       v_squared=None if terms is None else v_squared[p0:p1])
+                       v_squared=None if terms is None else v_squared[p0:p1],
+                       sink=None if sink64 is None else sink64.view(kv_heads, group)[kv_head],
+                       dsink=None if dsink is None else dsink[p0:p1], bias_top=bias_top)
         for q0 in range(0, seq_q, plan.rows):
             q1 = min(seq_q, q0 + plan.rows)
-            k0, k1 = key_range(q0, q1, seq_kv, causal, window)
+            k0, k1 = key_range(q0, q1, seq_kv, vis)
             if k1 <= k0:
                 continue  # every row of this block sees no key: out, dq stay 0, lse stays -inf
             tiles = [(c0, min(k1, c0 + plan.cols)) for c0 in range(k0, k1, plan.cols)]
+            block = _Block(q0, q1, tiles, group, vis, _tile_bias(bias, kv_head, group, heads, q0, q1),
+                           None if allowed is None else allowed[q0:q1])
             _attend_block(
-                chunk, _Block(q0, q1, tiles, group, causal, window), rows_of(q, p0, p1, q0, q1) * softmax_scale,
+                chunk, block, rows_of(q, p0, p1, q0, q1) * softmax_scale,
                 None if dout is None else rows_of(dout, p0, p1, q0, q1), softmax_scale,
                 shift_free=shift_free, keep=plan.keep or len(tiles) == 1,  # one tile's are at hand anyway
             )
@@ -288,6 +363,10 @@ def attention_reference(
             return t.reshape(batch, heads, seq_q, 2).permute(0, 2, 1, 3)
         return t.view(batch, kv_heads, seq_kv, 2).permute(0, 2, 1, 3)
 
+    sink_grad = {}
+    if dsink is not None:  # summed over the batch, per head, as a [1, 1, heads, 1] "tensor" (terms: [.., 2])
+        per_head = dsink.view(batch, kv_heads, group, 3).sum(0).reshape(1, 1, heads, 3)
+        sink_grad = {"dsink": per_head[..., :1].clone(), "dsink_terms": per_head[..., 1:].clone() if with_terms else None}
     return Reference(
         out=to_bshd(out),
         dq=None if grads is None else to_bshd(grads[0]),
@@ -296,7 +375,27 @@ def attention_reference(
         lse=lse.reshape(batch, heads, seq_q),
         **({} if terms is None else {f"{name}_terms": rows_to_bsh(t, name in ("out", "dq"))
                                      for name, t in zip(("out", "dq", "dk", "dv"), terms)}),
+        **sink_grad,
     )
+
+
+def _tile_bias(bias: torch.Tensor | None, kv_head: torch.Tensor, group: int, heads: int, q0: int,
+               q1: int) -> Callable[[int, int], torch.Tensor] | None:
+    """The bias of a chunk's rows for key columns [c0, c1), as [pairs, group * (q1 - q0), c1 - c0]: rows in
+    the chunk's (group member, position) order, each pair's heads picked by its kv head."""
+    if bias is None:
+        return None
+    n = q1 - q0
+    rows = bias[:, q0:q1] if bias.shape[1] > 1 else bias  # [heads or 1, n or 1, seq_kv]
+
+    def tile(c0: int, c1: int) -> torch.Tensor:
+        part = rows[..., c0:c1]
+        if part.shape[0] == heads:
+            part = part.view(heads // group, group, *part.shape[1:])[kv_head]  # [pairs, group, n|1, c]
+        else:
+            part = part[None].expand(len(kv_head), group, *part.shape[1:])
+        return part.expand(len(kv_head), group, n, c1 - c0).reshape(len(kv_head), group * n, c1 - c0)
+    return tile
 
 
 @dataclass
@@ -312,6 +411,9 @@ class _Chunk:
     k_norms: torch.Tensor | None  # [pairs, s_kv]: |k|, for the score bound (None: scores need no shift)
     terms: tuple[torch.Tensor, ...] | None = None  # out, dq [pairs, group, s_q, 2]; dk, dv [pairs, s_kv, 2]
     v_squared: torch.Tensor | None = None  # [pairs, s_kv, d_v]: v * v, for the term magnitudes
+    sink: torch.Tensor | None = None  # [pairs, group]: each row's sink logit
+    dsink: torch.Tensor | None = None  # [pairs, group, 3]: the sink's gradient, its terms as they are and amplified
+    bias_top: float = 0.0  # max |bias|: added to the score bound
 
 
 @dataclass(frozen=True)
@@ -322,11 +424,17 @@ class _Block:
     q1: int
     tiles: list[tuple[int, int]]
     group: int
-    causal: bool
-    window: tuple[int, int] | None
+    vis: Visibility
+    bias: Callable[[int, int], torch.Tensor] | None = None  # the block's bias for columns [c0, c1)
+    allowed: torch.Tensor | None = None  # [q1 - q0, seq_kv] explicit mask of the block's rows
 
     def mask(self, scores: torch.Tensor, c0: int, c1: int) -> None:
-        _mask_tile(scores, self.q0, self.q1, c0, c1, self.group, self.causal, self.window)
+        """Add the bias, then hide what the mask hides (-inf)."""
+        if self.bias is not None:
+            scores += self.bias(c0, c1)
+        if self.allowed is not None:
+            scores.masked_fill_(~self.allowed[:, c0:c1].repeat(self.group, 1), float("-inf"))
+        _mask_tile(scores, self.q0, self.q1, c0, c1, self.group, self.vis)
 
 
 def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: torch.Tensor | None,
@@ -337,19 +445,26 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
     keys = chunk.k_ext[..., :head_dim]  # k alone, as a strided view
     n = q1 - q0
     pairs, group = chunk.out.shape[0], block.group
+    sink_rows = None if chunk.sink is None else chunk.sink[:, :, None].expand(pairs, group, n).reshape(pairs, -1)
 
     def probabilities(q_side: torch.Tensor, k_side: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
-        """exp(q k^T * scale - shift) for keys [c0, c1), masked, not normalised. The shift, if any, rides
-        on the operands' extra column (see `_extended`)."""
+        """exp(q k^T * scale + bias - shift) for keys [c0, c1), masked, not normalised. The shift, if any,
+        rides on the operands' extra column (see `_extended`)."""
         scores = torch.bmm(q_side, k_side[:, c0:c1].transpose(1, 2))
         block.mask(scores, c0, c1)
         return scores.exp_()
 
     seq_kv = chunk.k_ext.shape[1]
-    seen = rows_seeing_keys(q0, q1, seq_kv, block.causal, block.window, q_scaled.device).repeat(group)
+    seen = _rows_seeing_keys(q0, q1, seq_kv, block.vis, q_scaled.device).repeat(group)
+    if block.allowed is not None:
+        seen = seen & block.allowed.any(dim=-1).repeat(group)
     # Scores bounded by SHIFT_FREE_BOUND can neither overflow exp nor underflow the sums: no shift, and the
     # score matmuls keep K = head_dim. Otherwise each row is shifted by its score bound.
-    shift = None if shift_free else _score_bound(q_scaled, chunk.k_norms[:, tiles[0][0]:tiles[-1][1]])
+    shift = None
+    if not shift_free:
+        shift = _score_bound(q_scaled, chunk.k_norms[:, tiles[0][0]:tiles[-1][1]]) + chunk.bias_top
+        if sink_rows is not None:
+            shift = torch.maximum(shift, sink_rows)
     for retry in (False, True):
         q_side, k_side = ((q_scaled, keys) if shift is None else (_extended(q_scaled, -shift), chunk.k_ext))
         sums, kept = None, []
@@ -363,9 +478,14 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
                 kept.append(probs)
             del probs
         row_sum = sums[..., head_dim_v]
+        if sink_rows is not None:
+            sink_weight = torch.exp(sink_rows if shift is None else sink_rows - shift)  # exp(o - shift)
+            row_sum = row_sum + sink_weight
         if shift is None or retry or not bool(((row_sum < UNDERFLOW_SUM) & seen).any()):
             break
         shift = _exact_row_max(q_scaled, keys, tiles, block.mask, seen)
+        if sink_rows is not None:
+            shift = torch.maximum(shift, sink_rows)
 
     ob = torch.where(seen[:, None], sums[..., :head_dim_v] / row_sum[..., None], 0.0)
     block_lse = torch.log(row_sum) if shift is None else shift + torch.log(row_sum)
@@ -383,6 +503,14 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
     dob = dob * inverse_sum[..., None]
     do_ext = _extended(dob, -delta)
     terms = chunk.terms
+    amplified = (1 + 2 * chunk.score_precision * torch.where(seen, block_lse, 0.0).abs()).square()[..., None]
+    if chunk.dsink is not None:
+        # d o = -sum_i P_sink,i D_i with P_sink,i = exp(o - shift) / l_i and D_i = dO_i . out_i = delta_i l_i;
+        # its terms: (P_sink,i |dO_i * out_i|)^2, as they are and amplified.
+        weight = torch.where(seen, sink_weight, 0.0)
+        sink_terms = (weight.square() * (dob.square() * ob.square()).sum(-1))[..., None]
+        chunk.dsink[..., 0] -= (weight * delta).view(pairs, group, n).sum(-1)
+        chunk.dsink[..., 1:] += torch.cat([sink_terms, sink_terms * amplified], -1).view(pairs, group, n, 2).sum(2)
     if terms is not None:
         # Squared row norms for the term magnitudes: P~ and dob carry 1/l, q_scaled carries the scale, so
         # P~ (A' + B') = P (A + B) with A' and B' computed from dob.
@@ -391,7 +519,6 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
         q_sq, do_sq = q_scaled.square().sum(-1, keepdim=True), dob_squared.sum(-1, keepdim=True)
         b_term = (dob_squared * ob.square()).sum(-1, keepdim=True).sqrt_()
         # g^2 per row: a second column of dk's and dv's row weights; out's and dq's rows take it at the end
-        amplified = (1 + 2 * chunk.score_precision * torch.where(seen, block_lse, 0.0).abs()).square()[..., None]
         q_sq, do_sq = torch.cat([q_sq, q_sq * amplified], -1), torch.cat([do_sq, do_sq * amplified], -1)
     dqb = None
     row_out_terms = row_dq_terms = 0.0
@@ -429,7 +556,7 @@ def _score_precision(dtype: torch.dtype) -> float:
     """The unit roundoff of the scores a kernel computes (fp32 for 16- and 32-bit inputs, the inputs' own
     beyond) over the inputs' unit roundoff."""
     inputs = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    scores = torch.finfo(torch.float32).eps if inputs >= torch.finfo(torch.float32).eps else inputs
+    scores = min(torch.finfo(torch.float32).eps, inputs)
     return scores / inputs
 
 
@@ -493,28 +620,44 @@ def naive_reference(
     v: torch.Tensor,
     dout: torch.Tensor,
     *,
-    causal: bool,
     softmax_scale: float,
+    causal: bool = False,
     window: tuple[int, int] | None = None,
+    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> Reference:
-    """The plain float64 formula through autograd, materialising all scores (tests and benchmarks only)."""
+    """The plain float64 formula through autograd, materialising all scores (tests and benchmarks only).
+
+    `allowed` (bool, broadcastable to [batch, heads, seq_q, seq_kv], True = visible) replaces the causal /
+    window mask; `bias` is added to the scaled scores; `sink` [heads] is a sink logit per head, whose
+    gradient is returned as dsink (through autograd, independently of the tiled formula)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    sink64 = None if sink is None else sink.detach().to(torch.float64).requires_grad_()
     qh = q64.transpose(1, 2)
     kh = k64.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
     vh = v64.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale
     seq_q, seq_kv = scores.shape[-2:]
-    mask = allowed_mask(
+    if bias is not None:
+        scores = scores + bias.to(torch.float64)
+    mask = allowed if allowed is not None else allowed_mask(
         torch.arange(seq_q, device=q.device), torch.arange(seq_kv, device=q.device), causal, window
     )
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if sink64 is not None:
+        scores = torch.cat([scores, sink64[None, :, None, None].expand(*scores.shape[:-1], 1)], -1)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
+    sink_probs = probs[..., seq_kv] if sink64 is not None else None
+    probs = probs[..., :seq_kv]
     out = torch.matmul(probs, vh).transpose(1, 2)
     do64 = dout.to(torch.float64)
-    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do64)
+    leaves = (q64, k64, v64) + ((sink64,) if sink64 is not None else ())
+    grads = torch.autograd.grad(out, leaves, do64, allow_unused=True)
+    dq, dk, dv = grads[:3]
     # The term magnitudes, materialised (see "Term magnitudes" above); per head, then summed over groups.
     probs = probs.detach()
     do_h = do64.transpose(1, 2)
@@ -535,12 +678,17 @@ def naive_reference(
     def per_kv(t: torch.Tensor) -> torch.Tensor:  # [b, h, s_kv, 2] -> [b, s_kv, kv_heads, 2], summed over groups
         return t.view(t.shape[0], kv_heads, group, *t.shape[2:]).sum(2).transpose(1, 2)
 
+    sink_grad = {}
+    if sink64 is not None:
+        sink_terms = both((sink_probs.detach() * b_term[..., 0]).square()).sum(dim=(0, 2))  # [heads, 2]
+        sink_grad = {"dsink": grads[3].view(1, 1, heads, 1), "dsink_terms": sink_terms.view(1, 1, heads, 2)}
     return Reference(
         out.detach(), dq, dk, dv, lse.detach(),
         out_terms=both((probs.square() @ v_sq[..., None]).squeeze(-1)).transpose(1, 2),
         dq_terms=both((sizes @ k_sq[..., None]).squeeze(-1)).transpose(1, 2) * softmax_scale**2,
         dk_terms=per_kv(both(sizes.transpose(-1, -2), q_sq)) * softmax_scale**2,
         dv_terms=per_kv(both(probs.square().transpose(-1, -2), do_sq)),
+        **sink_grad,
     )
 
 

@@ -6,12 +6,18 @@ computed here."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from attn_doctor.core.case import Case
-from attn_doctor.numerics.inputs import TORCH_DTYPES, Inputs, make_inputs, release_cached_memory, synchronize
+from attn_doctor.numerics.inputs import (
+    TORCH_DTYPES,
+    Inputs,
+    make_inputs,
+    release_cached_memory,
+    synchronize,
+)
 from attn_doctor.numerics.reference import Reference, attention_reference
 
 # Called with a short description as a long probe advances (a depth stack's layers).
@@ -42,7 +48,7 @@ class CaseCache:
             else:
                 reference = attention_reference(
                     inputs.q, inputs.k, inputs.v, inputs.dout,
-                    causal=case.causal, softmax_scale=case.softmax_scale, window=case.window,
+                    softmax_scale=case.softmax_scale, semantics=inputs.semantics,
                 )
             synchronize(self.device)
             self.reference_seconds = time.perf_counter() - start

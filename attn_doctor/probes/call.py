@@ -3,6 +3,7 @@ times on the same inputs, judged on the worst repeat)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -12,12 +13,35 @@ from attn_doctor.core import layouts
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import kernel_code
 from attn_doctor.numerics.inputs import synchronize
+from attn_doctor.numerics.masks import rows_seeing_keys, valid_tokens, with_sink_leaf
 from attn_doctor.numerics.metrics import compare
 from attn_doctor.probes.caches import Caches, Progress
 from attn_doctor.probes.outcome import ProbeOutcome
 from attn_doctor.probes.repeats import Repeats
 
 TENSORS = ("out", "dq", "dk", "dv")
+
+
+def _row_masks(case, inputs, device: torch.device) -> dict[str, dict[str, torch.Tensor | None]]:
+    """Per tensor, which rows are compared (`rows`) and which are judged by the empty-row rule (`empty_rows`):
+    valid tokens only; query rows that see no key on their own (`attn_doctor.numerics.masks`). None: all."""
+    valid_q, valid_kv = valid_tokens(case, device)
+    seeing = rows_seeing_keys(inputs.semantics, device)
+    if bool(seeing.all()) and bool(valid_kv.all()):
+        return {}  # no padding, and every query sees a key: nothing to leave out (the common case)
+    q_side = {"rows": valid_q & seeing, "empty_rows": valid_q & ~seeing}
+    kv_side = {"rows": valid_kv, "empty_rows": None}
+    return {"out": q_side, "dq": q_side, "dk": kv_side, "dv": kv_side}
+
+
+def _padding_counts(tensor: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
+    """(values in padding, how many of them are not 0) of a bshd tensor whose valid tokens are `valid`."""
+    padding = ~valid.to(tensor.device)
+    values = int(padding.sum()) * tensor[0, 0].numel()
+    if not values:
+        return 0, 0
+    inside = tensor[padding]
+    return values, int((inside != 0).sum())
 
 
 def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | None = None,
@@ -28,9 +52,12 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     case, device = coords.case, caches.device
     inputs, reference = caches.case.get(case)
     seconds = {"reference": caches.case.reference_seconds, "kernel": 0.0, "compare": 0.0}
-    fmt = backend.qkv_format
-    qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt)
-    dout = layouts.to_format(inputs.dout, fmt).contiguous()
+    fmt = backend.format_for(case)
+    packed = layouts.packing(case) if fmt == "thd" else None
+    qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
+    dout = layouts.to_format(inputs.dout, fmt, packed).contiguous()
+    masks = _row_masks(case, inputs, device)
+    valid = valid_tokens(case, device) if case.padded else None
     record = Repeats(repeats)
     ran_texts: list[str] = []
     for repeat in range(repeats):
@@ -38,23 +65,34 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
             progress(f"repeat {repeat + 1}/{repeats}")
         synchronize(device)
         start = time.perf_counter()
+        semantics = with_sink_leaf(inputs.semantics)
         with kernel_code(passthrough=(Unsupported,)):
-            out = backend.forward(qkv.q, qkv.k, qkv.v, case)
+            out = backend.forward(qkv.q, qkv.k, qkv.v, case, semantics)
             ran_texts.append(backend.ran(out))
-            expected = tuple(qkv.q.shape)
+            expected = (*qkv.q.shape[:-1], case.d_v)
             if tuple(out.shape) != expected:
                 raise ValueError(f"{backend.name} returned out of shape {tuple(out.shape)}, expected {expected} "
                                  f"({fmt})")
-            dq, dk, dv = torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v), dout)
+            sink = backend.sink_leaf(semantics) if reference.dsink is not None else None
+            grads = torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v) + ((sink,) if sink is not None else ()), dout,
+                                        allow_unused=True)
             synchronize(device)  # a CUDA fault of the kernel surfaces here, not in the comparison
         seconds["kernel"] += time.perf_counter() - start
         start = time.perf_counter()
-        got = {name: layouts.to_bshd(t.detach(), fmt) for name, t in zip(TENSORS, (out, dq, dk, dv))}
-        del out, dq, dk, dv
+        got = {name: layouts.to_bshd(t.detach(), fmt, packed, "q" if name in ("out", "dq") else "kv")
+               for name, t in zip(TENSORS, (out, *grads[:3]))}
+        if reference.dsink is not None:
+            dsink = grads[3] if sink is not None and grads[3] is not None else torch.zeros(case.heads, device=device)
+            got["dsink"] = dsink.detach().reshape(1, 1, case.heads, 1)
+        del out, grads
         metrics = {
-            name: compare(tensor, reference.tensors()[name], reference.terms(name))
+            name: compare(tensor, reference.tensors()[name], reference.terms(name), **masks.get(name, {}))
             for name, tensor in got.items()
         }
+        if valid is not None:
+            for name in TENSORS:
+                values, nonzero = _padding_counts(got[name], valid[0] if name in ("out", "dq") else valid[1])
+                metrics[name] = dataclasses.replace(metrics[name], padding_values=values, padding_nonzero=nonzero)
         record.add(got, metrics)
         del got
         seconds["compare"] += time.perf_counter() - start

@@ -16,12 +16,14 @@ from attn_doctor.backends import BASELINE, BackendSpec
 from attn_doctor.backends import static_skip as backend_static_skip
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import Coords, ProbeKind
+from attn_doctor.core.layouts import default_layouts
 
 
 def plan_calls(case: Case, specs: list[BackendSpec], layouts: list[str]) -> list[Coords]:
+    """The baseline, then every spec on every layout (none given: the case's defaults, `default_layouts`)."""
     coords = [Coords.call(case, BASELINE)]
     for spec in specs:
-        for layout in layouts:
+        for layout in layouts or default_layouts(case):
             if not (spec == BASELINE and layout == "contiguous"):
                 coords.append(Coords.call(case, spec, layout))
     return coords
@@ -80,7 +82,7 @@ def plan_points(cases: list[Case], layouts: list[str], depths: list[int] | None 
         return [Point(c, ProbeKind.DEPTH, depths=tuple(depths), degrees=tuple(degrees or [1])) for c in cases]
     if degrees:
         return [Point(c, ProbeKind.TP, degrees=tuple(degrees)) for c in cases]
-    return [Point(c, ProbeKind.CALL, layouts=tuple(layouts)) for c in cases]
+    return [Point(c, ProbeKind.CALL, layouts=tuple(layouts or default_layouts(c))) for c in cases]
 
 
 def static_skip(coords: Coords, device: str) -> str | None:

@@ -14,8 +14,8 @@ and the shard outputs are joined along heads.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ class LayerWeights:
     proj_weight: torch.Tensor  # [hidden, heads d]
     proj_bias: torch.Tensor
 
-    def to(self, dtype: torch.dtype) -> "LayerWeights":
+    def to(self, dtype: torch.dtype) -> LayerWeights:
         return LayerWeights(*(t.to(dtype) for t in vars(self).values()))
 
 
@@ -50,7 +50,7 @@ class StackInputs:
     x: torch.Tensor  # [s, b, hidden]
     dy: torch.Tensor  # output gradient, [s, b, hidden]
 
-    def to(self, dtype: torch.dtype) -> "StackInputs":
+    def to(self, dtype: torch.dtype) -> StackInputs:
         return StackInputs([w.to(dtype) for w in self.layers], tuple(t.to(dtype) for t in self.final_ln),
                            self.x.to(dtype), self.dy.to(dtype))
 
@@ -172,7 +172,7 @@ class BackendAttention:
         self.last_out: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.backend.qkv_format == "bshd":
+        if self.backend.format_for(self.case) == "bshd":
             out = self.backend.forward(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.case)
             self.last_out = out
             return out.transpose(0, 1)

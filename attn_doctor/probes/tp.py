@@ -29,7 +29,7 @@ def _grads(backend: Backend, q, k, v, dout, case):
 def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | None = None) -> ProbeOutcome:
     case, tp, device = coords.case, coords.tp, caches.device
     inputs, reference = caches.case.get(case)
-    fmt = backend.qkv_format
+    fmt = backend.format_for(case)
     full = layouts.build("contiguous", inputs.q, inputs.k, inputs.v, fmt)
     dout = layouts.to_format(inputs.dout, fmt).contiguous()
     shard_case = tp_shard(case, tp)

@@ -7,7 +7,7 @@ import math
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import TensorVerdict
 
-TENSOR_TITLES = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV"}
+TENSOR_TITLES = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV", "dsink": "dSink"}
 
 
 def sci(value: float) -> str:

@@ -7,8 +7,10 @@ with failing rows first, the reproduce commands, and the long details folded int
 
 from __future__ import annotations
 
+from attn_doctor.numerics.masks import describe
 from attn_doctor.render.env_view import env_markdown
 from attn_doctor.render.format import (
+    CANCELLED_NOTE,
     REPEATS_NOTE,
     TENSOR_TITLES,
     display_rows,
@@ -19,10 +21,16 @@ from attn_doctor.render.format import (
     sci,
     tensor_cell,
 )
-from attn_doctor.render.report_data import ReportData, call_rows, compact_env, dq_in_eps, sort_rows, tensor_names
+from attn_doctor.render.report_data import (
+    ReportData,
+    call_rows,
+    compact_env,
+    dq_in_eps,
+    sort_rows,
+    tensor_names,
+)
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.depth import depth_lines
-from attn_doctor.render.format import CANCELLED_NOTE
 from attn_doctor.verdict.rule import rule_sentence
 
 escape = md_escape
@@ -85,12 +93,24 @@ def depth_markdown(rows: list[Row]) -> str:
 def report_markdown(data: ReportData) -> str:
     report = data.report
     parts = ["## attn-doctor report", "", f"**Verdict:** {escape(report.summary)}", ""]
+    if report.seconds.get("points"):
+        parts += [f"**Sweep:** {report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s "
+                  f"({report.seconds['points per minute']:.1f} cases per minute).", ""]
     if data.known:
         parts += ["**Known defects matching this machine and case:**", ""]
         parts += [f"- {escape(text)}" for text in data.known] + [""]
     if report.env is not None:
         rows = [[escape(label), escape(value)] for label, value in compact_env(report.env)]
         parts += ["### Environment", "", table(["", ""], rows), ""]
+    cases = list(dict.fromkeys(row.case for row in report.rows))
+    if len(cases) == 1:
+        parts += ["**Case:** " + escape(cases[0].short()) + ". " + escape("; ".join(describe(cases[0]))) + ".", ""]
+    writes = [row for row in report.rows if row.padding_writes]
+    if writes:
+        parts += ["**Writes into padding** (flagged, not failed; TE's kernels write zeros there):", ""]
+        parts += [f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())}): " + ", ".join(
+            f"{TENSOR_TITLES.get(n, n)} {nonzero} of {values} values" for n, (nonzero, values) in row.padding_writes.items())
+            for row in writes] + [""]
     results = results_markdown(report.rows)
     if results:
         parts += ["### Results", "",
@@ -144,4 +164,4 @@ def report_markdown(data: ReportData) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["report_markdown", "results_markdown", "depth_markdown", "table", "escape"]
+__all__ = ["depth_markdown", "escape", "report_markdown", "results_markdown", "table"]

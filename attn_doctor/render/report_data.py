@@ -11,7 +11,7 @@ from attn_doctor.render.env_view import fact_cell
 from attn_doctor.render.format import display_rows
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
-from attn_doctor.verdict.rule import TENSORS
+from attn_doctor.verdict.rule import CORE_TENSORS, TENSORS
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
 
@@ -53,8 +53,8 @@ def call_rows(rows: list[Row]) -> list[Row]:
 
 
 def tensor_names(rows: list[Row]) -> list[str]:
-    """The tensors the rows measured (all four when none did), in table order."""
-    return [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(TENSORS)
+    """The tensors the rows measured (the four of every call when none did), in table order."""
+    return [n for n in TENSORS if any(n in r.tensors for r in rows)] or list(CORE_TENSORS)
 
 
 def dq_in_eps(row: Row) -> str:

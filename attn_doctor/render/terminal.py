@@ -14,6 +14,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from attn_doctor.numerics.masks import describe
 from attn_doctor.render.format import (
     CANCELLED_NOTE,
     REPEATS_MARK,
@@ -25,6 +26,7 @@ from attn_doctor.render.format import (
     sci,
     tensor_cell,
 )
+from attn_doctor.render.report_data import tensor_names
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import TENSORS, floor_text, multiple_text
 
@@ -61,14 +63,15 @@ def results_table(rows: list[Row], title: str | None = None, wide: bool = False)
     table = _table(title, results_caption())
     table.add_column("backend", overflow="fold", max_width=24)
     table.add_column("layout", overflow="fold", min_width=12)
-    for name in TENSORS:
+    names = tensor_names(rows)
+    for name in names:
         table.add_column(f"{TENSOR_TITLES[name]} err\n×base", justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
     for row, layout in display_rows(rows):
         where = f"{layout}\n{row.coords.label()}" if row.coords.label() else layout
         if row.differing_tensors:
             where += f"\n{REPEATS_MARK}"
-        table.add_row(row.backend, where, *(_cell(row, name) for name in TENSORS),
+        table.add_row(row.backend, where, *(_cell(row, name) for name in names),
                       Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
     return table
 
@@ -78,16 +81,17 @@ def _wide_results_table(rows: list[Row], title: str | None) -> Table:
     table.add_column("backend", no_wrap=True)
     table.add_column("layout", no_wrap=True)
     table.add_column("ran", ratio=1, min_width=26)
-    for name in TENSORS:
+    names = tensor_names(rows)
+    for name in names:
         table.add_column(f"{TENSOR_TITLES[name]} err ×", justify="right", no_wrap=True)
     table.add_column("verdict", no_wrap=True)
     for row, layout in display_rows(rows):
         if row.tensors:
             cells = [Text(tensor_cell(row, name), style="red" if name in row.failing_tensors else "")
-                     for name in TENSORS]
+                     for name in names]
             ran = row.ran
         else:
-            cells = [Text("")] * len(TENSORS)
+            cells = [Text("")] * len(names)
             ran = Text("see below", style="dim")
         where = f"{layout}\n{REPEATS_MARK}" if row.differing_tensors else layout
         table.add_row(row.backend, where, ran, *cells, Text(row.verdict, style=VERDICT_STYLE.get(row.verdict, "")))
@@ -118,6 +122,27 @@ def notes_lines(rows: list[Row]) -> list[Text]:
             where = "all layouts" if layout == "all" else layout
             style = VERDICT_STYLE.get(row.verdict, "")
             lines.append(Text.assemble((f"{row.verdict} ", style), f"{row.backend} ({where}): {row.reason}"))
+    return lines
+
+
+def case_lines(rows: list[Row]) -> list[Text]:
+    """What the call computes beyond its shapes (dropout, mask convention, slopes, lengths), for a run's one
+    case."""
+    cases = list(dict.fromkeys(row.case for row in rows))
+    if len(cases) != 1:
+        return []
+    return [Text.assemble(("case ", "dim"), line) for line in describe(cases[0])]
+
+
+def padding_lines(rows: list[Row]) -> list[Text]:
+    """Rows that wrote non-zero values into padding: flagged, not failed (see attn_doctor.verdict.rule)."""
+    lines = []
+    for row in rows:
+        writes = row.padding_writes
+        if writes:
+            what = ", ".join(f"{TENSOR_TITLES.get(n, n)} {nonzero} of {values}" for n, (nonzero, values) in writes.items())
+            lines.append(Text.assemble(("PADDING ", "yellow"), f"{row.backend} ({row.layout}) writes non-zero values "
+                                       f"into padding ({what}); TE's kernels write zeros there"))
     return lines
 
 
@@ -182,6 +207,8 @@ def run_view(report, title: str, wide: bool = False) -> list:
         views += ran_lines(report.rows)
     views += repeat_lines(report.rows)
     views += notes_lines(report.rows)
+    views += case_lines(report.rows)
+    views += padding_lines(report.rows)
     views += failure_lines(report.rows)
     views.append(summary_text(report))
     return views
@@ -231,6 +258,9 @@ def sweep_view(report) -> list:
         views.append(depth_table(report.depth_lines))
     views += repeat_lines(report.rows)
     views += notes_lines([r for r in report.rows if r.verdict == "ERROR"])
+    if report.seconds.get("points"):
+        views.append(Text(f"{report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s: "
+                          f"{report.seconds['points per minute']:.1f} cases per minute", style="dim"))
     views.append(summary_text(report))
     return views
 

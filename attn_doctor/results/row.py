@@ -54,6 +54,11 @@ class Row:
         return f"{command} --repeats {self.repeats['n']}" if self.repeats else command
 
     @property
+    def padding_writes(self) -> dict[str, tuple[int, int]]:
+        """Per tensor that wrote non-zero values into padding: (how many, of how many values in padding)."""
+        return {name: (t.padding_nonzero, t.padding_values) for name, t in self.tensors.items() if t.padding_nonzero}
+
+    @property
     def failing_tensors(self) -> list[str]:
         return [name for name, t in self.tensors.items() if t.verdict == FAIL]
 
@@ -93,7 +98,7 @@ class Row:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Row":
+    def from_dict(cls, d: dict[str, Any]) -> Row:
         tensors = {name: _tensor_verdict(name, t) for name, t in d.get("tensors", {}).items()}
         spec = BackendSpec(d["backend"], d.get("family", ""), dict(d.get("options", {})))
         coords = Coords.from_params(Case.from_dict(d["case"]), spec, d["layout"], d.get("coords", {}))

@@ -54,6 +54,22 @@ Near the threshold: a verdict whose deciding quantity is within BORDERLINE (1.5x
 either side, is borderline; reports say so and suggest the confirming check.
 
 NaN or Inf in a tensor whose reference is finite fails outright (as PyTorch's SDPA tests do).
+
+Rows that see no key (a bottom-right causal mask with more queries than keys, a window or an explicit mask
+that hides a whole row) are not in any figure above: their exact output is an empty sum, and conventions
+differ (TE and FlashAttention write 0, Megatron's -10000 fill writes the mean of v, a plain softmax NaN).
+They have a rule of their own, TE's convention, which the float64 reference computes: out and dQ are 0 there
+(they see nothing, so nothing flows back to them). A correct kernel writes exact zeros (no term is summed, so
+nothing is rounded); the tensor FAILs when a value there exceeds EMPTY_ROW_EPS eps of the size of a compared
+row (the RMS row norm of the exact tensor), or is NaN/Inf. Their effect on dK and dV (a kernel that lets an
+empty row attend leaks gradient into keys) is in dK's and dV's ordinary comparison.
+
+Padding (positions beyond a sequence's length) is never compared either; where a kernel writes non-zero
+values into it (TE's kernels write zeros) the row is flagged, not failed: the values are garbage by
+definition and nothing downstream reads them, but a user who does should know.
+
+The learnable softmax sink's gradient (`dsink`, one value per head) is judged like any tensor, against
+the baseline's error on it.
 """
 
 from __future__ import annotations
@@ -64,14 +80,16 @@ from dataclasses import asdict, dataclass
 from attn_doctor.numerics.metrics import TensorMetrics, safe_ratio
 
 PASS, FAIL, SKIP, ERROR = "PASS", "FAIL", "SKIP", "ERROR"
-TENSORS = ("out", "dq", "dk", "dv")
-MULTIPLE = {"out": 3.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
+CORE_TENSORS = ("out", "dq", "dk", "dv")  # what every call is judged on
+TENSORS = CORE_TENSORS + ("dsink",)  # with the learnable softmax sink's gradient where there is one
+MULTIPLE = {"out": 3.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dsink": 3.0}
 NOISE_EPS = {"bf16": 0.25, "fp16": 0.25, "fp32": 1.0}
 EPS = {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23}
 BIAS_Z = 8.0
 BIAS_EPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 8.0}
 CANCELLED = 1 / 16  # ||exact|| below this share of the terms' scale: the tensor cancels
 BORDERLINE = 1.5
+EMPTY_ROW_EPS = 1.0  # rows that see no key: values up to this many eps of a compared row's size pass
 NOISE_YARDSTICK, BASELINE_YARDSTICK = "rounding noise", "baseline"
 
 
@@ -100,6 +118,10 @@ class TensorVerdict:
     bias_z: float = 0.0
     bias_failed: bool = False
     borderline: bool = False
+    empty_rows: int = 0  # rows that see no key, judged on their own (see the module docstring)
+    empty_rows_max: float = 0.0
+    padding_nonzero: int = 0  # non-zero values written into padding (flagged, not failed)
+    padding_values: int = 0
 
     @property
     def cancelled(self) -> bool:
@@ -159,8 +181,15 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
     bias = _bias_check(kind, candidate, baseline, dtype)
     margin = max(ratio, head_ratio) / multiple
     bias_failed = False
+    empty_limit = EMPTY_ROW_EPS * EPS[dtype]
     if nonfinite and not baseline.ref_nonfinite:
         verdict, why, margin = FAIL, f"{candidate.nan} NaN and {candidate.inf} Inf where float64 has none", math.inf
+    elif candidate.empty_rows and (candidate.empty_rows_nonfinite or candidate.empty_rows_max > empty_limit):
+        verdict, margin = FAIL, math.inf
+        found = (f"{candidate.empty_rows_nonfinite} NaN/Inf" if candidate.empty_rows_nonfinite
+                 else f"values up to {candidate.empty_rows_max:.3g} of a row's size")
+        why = (f"{found} on the {candidate.empty_rows} rows that see no key, where TE's convention (and "
+               f"float64) is 0 (limit {EMPTY_ROW_EPS:g} eps)")
     elif ratio > multiple:
         verdict = FAIL
         why = _error_why("error", err, yardstick, multiple, yardstick_kind, to_shown, cancellation < CANCELLED,
@@ -200,6 +229,10 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
         bias_z=candidate.bias_z,
         bias_failed=bias_failed,
         borderline=1 / BORDERLINE <= margin <= BORDERLINE,
+        empty_rows=candidate.empty_rows,
+        empty_rows_max=candidate.empty_rows_max,
+        padding_nonzero=candidate.padding_nonzero,
+        padding_values=candidate.padding_values,
     )
 
 

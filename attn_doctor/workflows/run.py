@@ -52,6 +52,12 @@ class RunRequest:
         if self.nproc is not None and self.layouts_given:
             raise BadInput("--layout does not apply to --nproc runs (every rank gets its shard as a contiguous "
                            "copy); drop --layout or --nproc")
+        if (self.tp > 1 or self.nproc is not None) and self.case.api_features():
+            raise BadInput(f"--tp and --nproc model the dense API; this case uses "
+                           f"{', '.join(self.case.api_features())}: check it as a single call (drop --tp/--nproc)")
+        if self.case.fp8 != "none" and self.device == "cpu":
+            raise BadInput("FP8 attention runs on a GPU (TE's FusedAttention, sm90+); this run is on the CPU: drop "
+                           "--fp8 or pass --device cuda on a GPU machine")
         check_repeats(self.repeats)
         if self.repeats > 1 and (self.tp > 1 or self.nproc is not None):
             raise BadInput(repeats_refusal("--nproc ranks" if self.nproc is not None else "TP shards (--tp)",

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,6 +121,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
 
     request = plan.request
     progress = progress or ProgressSink()
+    start = time.perf_counter()
     plan.log.write_header(make_report([], request.specs, request.device, request.command, probe_te=False))
     rows = list(plan.done_rows)
     groups = [point.coords(request.specs) for point in plan.todo]
@@ -135,6 +138,10 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
         facts = session.facts
     progress.end()
     report = make_report(rows, request.specs, request.device, request.command, facts)
+    # This run's wall time and pace (points already done by an earlier run are not counted).
+    wall = time.perf_counter() - start
+    report.seconds = {"wall": wall, "points": float(len(plan.todo)),
+                      "points per minute": 60 * len(plan.todo) / wall if wall > 0 else 0.0}
     if report.depth_lines:
         from attn_doctor.render.plot import plot_depth
 

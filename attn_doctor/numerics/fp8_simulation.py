@@ -1,0 +1,51 @@
+"""A correct FP8 attention, simulated: the yardstick an FP8 kernel is judged against.
+
+An FP8 attention's distance from float64 is dominated by quantisation, not by the kernel, so comparing it
+with the bf16 baseline's error would fail every FP8 kernel (see ../shared/reference/verdict-numerics.md,
+"FP8"). The local baseline in an FP8 case therefore quantises what TE's FP8 attention quantises
+(TE 2.20.2, cuDNN's FP8 fused attention with the default HYBRID format: forward tensors E4M3, backward
+tensors E5M2), each with a per-tensor scale from its own amax, and computes the rest as usual:
+
+    forward:  Q, K, V (E4M3), P = softmax(S) (E4M3), O (E4M3)
+    backward: dO, dP (E5M2), dS (E5M2), dQ, dK, dV (E5M2)
+
+A per-tensor amax scale is what TE's delayed scaling converges to on repeated identical inputs (TE's probe
+runs one warm-up step first; `attn_doctor.backends.te`), so the simulation and the kernel quantise with the
+same scales up to the amax history's margin. Everything else in fp32, so the yardstick is the quantisation's
+error, the part of an FP8 kernel's error any correct FP8 implementation shares.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _round(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """x rounded to `fmt` with a per-tensor scale (amax to the format's largest value), back in x's dtype."""
+    if fmt is None:
+        return x
+    dtype = FORMATS[fmt]
+    amax = x.detach().abs().amax().float()
+    if not torch.isfinite(amax) or amax == 0:
+        return x
+    scale = torch.finfo(dtype).max / amax
+    return ((x.float() * scale).to(dtype).float() / scale).to(x.dtype)
+
+
+class _Quantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward_format, backward_format):
+        ctx.backward_format = backward_format
+        return _round(x, forward_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _round(grad, ctx.backward_format), None, None
+
+
+def quantize(x: torch.Tensor, forward_format: str | None, backward_format: str | None) -> torch.Tensor:
+    """x rounded to `forward_format` in the forward, and the gradient reaching it rounded to
+    `backward_format` in the backward (None: unchanged)."""
+    return _Quantize.apply(x, forward_format, backward_format)

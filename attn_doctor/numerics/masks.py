@@ -1,0 +1,228 @@
+"""What an attention call computes beyond q k^T: which (query, key) pairs each mask type lets through, the
+bias added to the scores, and the softmax's sink, exactly as TE defines them. Every path that is not TE
+(the float64 reference, the local baseline, PyTorch SDPA, a user's kernel) gets them from here.
+
+Visibility, per sequence of `len_q` queries and `len_kv` keys (TE 2.20.2, `utils.get_full_mask` and
+`DotProductAttention.forward`): query i sees key j when
+
+    i + diag - left <= j <= i + diag + right         (left / right = -1: unbounded on that side)
+
+- causal masks fix right = 0; a window gives (left, right);
+- diag = 0 (top-left) for `causal` and `padding_causal`; diag = len_kv - len_q (bottom-right) for the
+  `*_bottom_right` masks and, for a sliding window, also for `no_mask`, `padding` and `arbitrary` (TE's
+  `bottom_right_diagonal` defaults to True unless the mask is top-left causal);
+- padding masks: only the first len_q queries and len_kv keys of a sequence exist (TE's cu_seqlens);
+- `arbitrary`: an explicit boolean mask, [batch, 1, seq_q, seq_kv]. Here True means *visible* (PyTorch
+  SDPA's convention); TE's `attention_mask` uses the opposite, True = masked out, and the TE backend
+  converts it.
+
+A query that sees no key ("fully masked row") outputs 0 and passes no gradient: TE's convention, what the
+float64 reference computes, and what the verdict expects (`attn_doctor.verdict.rule`).
+
+Bias (`core_attention_bias_type`): `post_scale_bias` adds a tensor of shape 1hss, 11ss, b1ss, bhss or
+111s to the scaled scores; `alibi` adds -slope_h |i + diag - j| with TE's default slopes (below). The
+bias carries no gradient here (attn-doctor does not judge dBias).
+
+Softmax type (TE's `softmax_type`): `off-by-one` adds a logit of 0 to each row's denominator, `learnable`
+a logit per head (TE's `softmax_offset` parameter, whose gradient is judged as `dsink`):
+
+    P_ij = exp(s_ij) / (exp(o_h) + sum_j exp(s_ij)),    d o_h = - sum_{b, i} P_sink,i (dO_i . out_i)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attn_doctor.core.case import Case
+
+TOP_LEFT_MASKS = ("causal", "padding_causal")
+BOTTOM_RIGHT_MASKS = ("causal_bottom_right", "padding_causal_bottom_right")
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Which keys the queries of one sequence see: j in [i + diag - left, i + diag + right]."""
+
+    left: int = -1  # -1: unbounded
+    right: int = -1
+    diag: int = 0
+
+    @classmethod
+    def top_left(cls, causal: bool, window: tuple[int, int] | None) -> Visibility:
+        """The dense causal / window semantics attn-doctor's TP, depth and distributed probes use."""
+        left, right = window if window is not None else (-1, -1)
+        if causal:
+            right = 0 if right < 0 else min(right, 0)
+        return cls(left, right, 0)
+
+    @property
+    def unbounded(self) -> bool:
+        return self.left < 0 and self.right < 0
+
+
+def visibility(case: Case, len_q: int, len_kv: int) -> Visibility:
+    """The visibility of one sequence of the case (TE's rules, see the module docstring)."""
+    left, right = case.window if case.window is not None else (-1, -1)
+    if case.causal:
+        right = 0
+    bottom_right = case.mask in BOTTOM_RIGHT_MASKS or (case.mask not in TOP_LEFT_MASKS and case.window is not None)
+    return Visibility(left, right, len_kv - len_q if bottom_right else 0)
+
+
+def alibi_diag(case: Case, len_q: int, len_kv: int) -> int:
+    """ALiBi's diagonal: bottom-right unless the mask is top-left causal (TE's `get_alibi`)."""
+    return 0 if case.mask in TOP_LEFT_MASKS else len_kv - len_q
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """TE's default ALiBi slopes (`utils.get_alibi`): 2^(-8 k / n), k = 1..n for the largest power of two
+    n <= heads, then 2^(-4 k / n), k = 1, 3, 5, ... for the remaining heads. float64 [heads]."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+    slopes += [2.0 ** (-4.0 * k / n) for k in range(1, 2 * (heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+def visible_pairs(vis: Visibility, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
+    """Boolean [len(rows), len(cols)]: which (query, key) pairs `vis` lets through; None when all."""
+    mask = None
+    shifted = rows[:, None] + vis.diag
+    if vis.right >= 0:
+        mask = cols[None, :] <= shifted + vis.right
+    if vis.left >= 0:
+        lower = cols[None, :] >= shifted - vis.left
+        mask = lower if mask is None else mask & lower
+    return mask
+
+
+@dataclass
+class Semantics:
+    """Everything beyond q, k, v that decides an attention's result, as tensors on the inputs' device.
+
+    `allowed` [batch, 1, seq_q, seq_kv] is the explicit mask of `arbitrary` (True = visible); `bias`
+    broadcasts to [batch, heads, seq_q, seq_kv]; `sink` [heads] holds the sink logits (zeros for off-by-one)."""
+
+    case: Case
+    allowed: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None  # float64 [heads]
+    sink: torch.Tensor | None = None
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether sequences differ (lengths, a per-batch mask or bias): the reference then takes them one
+        at a time."""
+        case = self.case
+        return (case.padded or self.allowed is not None or self.bias is not None and self.bias.shape[0] > 1
+                or self.alibi_slopes is not None)
+
+    def visibility(self, b: int) -> Visibility:
+        return visibility(self.case, self.case.lengths_q()[b], self.case.lengths_kv()[b])
+
+    def bias_of(self, b: int, len_q: int, len_kv: int, device: torch.device) -> torch.Tensor | None:
+        """The float64 bias of sequence b, broadcastable to [heads, len_q, len_kv] (ALiBi materialised)."""
+        if self.alibi_slopes is not None:
+            diag = alibi_diag(self.case, self.case.lengths_q()[b], self.case.lengths_kv()[b])
+            distance = (torch.arange(len_q, device=device)[:, None] + diag
+                        - torch.arange(len_kv, device=device)[None, :]).abs().to(torch.float64)
+            return -self.alibi_slopes.to(device)[:, None, None] * distance
+        if self.bias is None:
+            return None
+        bias = self.bias[min(b, self.bias.shape[0] - 1)]
+        return bias[:, :len_q, :len_kv].to(device=device, dtype=torch.float64)
+
+
+def with_sink_leaf(semantics: Semantics) -> Semantics:
+    """The semantics of one call, its learnable sink logits a fresh leaf that requires grad (what `dsink` is
+    the gradient of); the others unchanged."""
+    if semantics.sink is None or semantics.case.softmax != "learnable":
+        return semantics
+    return dataclasses.replace(semantics, sink=semantics.sink.detach().clone().requires_grad_())
+
+
+def dense_allowed(semantics: Semantics, device: torch.device) -> torch.Tensor | None:
+    """Boolean [batch or 1, 1, seq_q, seq_kv] of the visible pairs of every sequence, padding included (a
+    padded query sees nothing, a padded key is seen by nobody); None when every pair is visible. What the
+    paths that take an explicit mask (SDPA, the local baseline, a user's kernel) are given."""
+    case = semantics.case
+    rows, cols = torch.arange(case.seq, device=device), torch.arange(case.seq_k, device=device)
+    if not case.padded and semantics.allowed is None:
+        vis = semantics.visibility(0)
+        mask = visible_pairs(vis, rows, cols)
+        return None if mask is None else mask[None, None]
+    masks = []
+    for b in range(case.batch):
+        mask = visible_pairs(semantics.visibility(b), rows, cols)
+        mask = torch.ones(case.seq, case.seq_k, dtype=torch.bool, device=device) if mask is None else mask
+        mask &= (rows < case.lengths_q()[b])[:, None] & (cols < case.lengths_kv()[b])[None, :]
+        if semantics.allowed is not None:
+            mask &= semantics.allowed[b, 0].to(device)
+        masks.append(mask)
+    return torch.stack(masks)[:, None]
+
+
+def dense_bias(semantics: Semantics, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The bias as a tensor broadcastable to [batch, heads, seq_q, seq_kv] in `dtype` (ALiBi materialised
+    per sequence), for the paths that take an additive mask; None without a bias."""
+    case = semantics.case
+    if semantics.alibi_slopes is None:
+        return None if semantics.bias is None else semantics.bias.to(device=device, dtype=dtype)
+    return torch.stack([semantics.bias_of(b, case.seq, case.seq_k, device) for b in range(case.batch)]).to(dtype)
+
+
+def rows_seeing_keys(semantics: Semantics, device: torch.device) -> torch.Tensor:
+    """Boolean [batch, seq_q]: the valid queries that see at least one key (a bias or sink does not count).
+    Without an explicit mask this is computed from the visibility's edges, never from a seq_q x seq_kv mask."""
+    case = semantics.case
+    if semantics.allowed is not None:
+        return dense_allowed(semantics, device)[:, 0].any(dim=-1)
+    rows = torch.arange(case.seq, device=device)
+    seen = []
+    for b in range(case.batch):
+        vis, len_q, len_kv = semantics.visibility(b), case.lengths_q()[b], case.lengths_kv()[b]
+        first = (rows + vis.diag - vis.left).clamp(min=0) if vis.left >= 0 else torch.zeros_like(rows)
+        stop = (rows + vis.diag + vis.right + 1).clamp(max=len_kv) if vis.right >= 0 else torch.full_like(rows, len_kv)
+        seen.append((stop > first) & (rows < len_q))
+    return torch.stack(seen)
+
+
+def valid_tokens(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean [batch, seq_q] and [batch, seq_kv]: the tokens that exist (not padding)."""
+    q = torch.arange(case.seq, device=device)[None, :] < torch.tensor(case.lengths_q(), device=device)[:, None]
+    kv = torch.arange(case.seq_k, device=device)[None, :] < torch.tensor(case.lengths_kv(), device=device)[:, None]
+    return q, kv
+
+
+def describe(case: Case) -> list[str]:
+    """What the case's call computes beyond its shapes, in words, for the reports: dropout, how the mask is
+    given to TE, the ALiBi slopes, the sink, the lengths."""
+    lines = ["dropout 0: attn-doctor compares deterministic functions"]
+    if case.mask == "arbitrary":
+        lines.append(f"explicit mask: each (query, key) pair hidden with probability {case.masked_fraction:g} "
+                     "(seeded); given to TE as attention_mask with True = masked out, to SDPA and --kernel as "
+                     "True = visible")
+    if case.window is not None and case.mask not in TOP_LEFT_MASKS:
+        lines.append(f"window {case.window[0]},{case.window[1]} aligned to each sequence's bottom-right corner "
+                     "(TE's bottom_right_diagonal for this mask type)")
+    if case.bias == "alibi":
+        slopes = ", ".join(f"{s:.4g}" for s in alibi_slopes(case.heads).tolist())
+        lines.append(f"ALiBi bias -slope_h |i + diag - j|, TE's default slopes per head: {slopes}")
+    elif case.bias != "no_bias":
+        lines.append(f"post_scale_bias of shape {case.bias.partition(':')[2]}: standard normal, no gradient judged")
+    if case.softmax == "off-by-one":
+        lines.append("softmax off-by-one: a sink logit 0 in every row's denominator")
+    elif case.softmax == "learnable":
+        lines.append("softmax learnable: a sink logit per head (standard normal, seeded); its gradient is judged "
+                     "as dSink")
+    if case.padded:
+        lines.append("lengths q " + ",".join(map(str, case.lengths_q())) + (
+            "; kv " + ",".join(map(str, case.lengths_kv())) if case.lengths_kv() != case.lengths_q() else "")
+            + "; padding is not compared (rows flagged where a kernel writes non-zeros into it)")
+    if case.fp8 != "none":
+        lines.append(f"FP8 attention ({case.fp8} scaling): judged against a simulated correct FP8 computation "
+                     "(attn_doctor.numerics.fp8_simulation), not the bf16 baseline")
+    return lines
