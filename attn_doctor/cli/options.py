@@ -133,10 +133,14 @@ def backend_options(fn: Callable) -> Callable:
                      help="A backend to check (repeatable; 'te' and 'sdpa' name a whole family). "
                           "Default: all built-in backends, or only the --kernel ones when given."),
         click.option("--kernel", "kernels", multiple=True, metavar="[NAME=]TARGET:FUNC",
-                     help="Your own kernel fn(q, k, v, *, causal, softmax_scale) on bshd tensors; "
-                          "TARGET is a module or a .py path (repeatable)."),
-        click.option("--layout", "layouts", multiple=True, type=click.Choice(LAYOUTS + tuple(LAYOUT_ALIASES)),
-                     help="A memory layout to feed (repeatable; TE's names such as sb3hd or thd_t2hd too) [all]."),
+                     help="Your own kernel fn(q, k, v, *, causal, softmax_scale, **more) on bshd tensors; "
+                          "TARGET is a module or a .py path (repeatable). Masks, lengths, bias and sinks arrive "
+                          "as the keywords allowed, seqlens_q/kv, bias, softmax_offset when it takes them."),
+        click.option("--layout", "layouts", multiple=True, metavar="NAME",
+                     type=click.Choice(LAYOUTS + tuple(LAYOUT_ALIASES)),
+                     help=f"A memory layout to feed (repeatable): {', '.join(LAYOUTS)}, or TE's names (sb3hd, "
+                          "thd_t2hd, ...) [contiguous, sb3hd_packed, sbh3d_packed, head_slice, transposed; thd: "
+                          "contiguous, head_slice, qkv_3hd, kv_2hd]."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--timeout", type=POSITIVE_SECONDS, default=300.0, show_default=True,
                      help="Seconds one probe may take before its worker is killed (ERROR row)."),
