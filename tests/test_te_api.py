@@ -481,3 +481,10 @@ def test_bisect_reduces_a_feature_fault_to_its_conditions(run_cli, tmp_path):
     necessary = {n["knob"]: n["failing_value"] for n in found["necessary"]}
     assert necessary == {"mask": "causal_bottom_right", "seq_kv": 2}
     assert "softmax" not in found["minimal_case"]["case"]
+
+
+def test_a_kernel_whose_output_ignores_q_and_k_fails_with_zero_gradients_not_an_error():
+    case = make_case(**{**SMALL, "batch": 2, "seq": 16, "mask": "no_mask", "dtype": "bf16"})
+    row = _rows(case, [parse_kernel_spec(f"{FEATURES}:ignores_queries_and_keys")])["ignores_queries_and_keys"]
+    assert row.verdict == FAIL and {"out", "dq", "dk"} <= set(row.failing_tensors)
+    assert row.tensors["dq"].cosine == 0.0  # an all-zero gradient, compared like any other

@@ -77,6 +77,9 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
             grads = torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v) + ((sink,) if sink is not None else ()), dout,
                                         allow_unused=True)
             synchronize(device)  # a CUDA fault of the kernel surfaces here, not in the comparison
+        # An input the output does not depend on has a zero gradient (judged like any other).
+        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads[:3], (qkv.q, qkv.k, qkv.v))] + list(
+            grads[3:])
         seconds["kernel"] += time.perf_counter() - start
         start = time.perf_counter()
         got = {name: layouts.to_bshd(t.detach(), fmt, packed, "q" if name in ("out", "dq") else "kv")
