@@ -5,6 +5,7 @@
 #   PART=1  versions; the default run (its wall time); the TE-coverage sweep, stopped at 8 minutes
 #   PART=2  the TE-coverage sweep resumed to the end; its markdown report
 #   PART=3  bisects and single runs named in BISECT (a file of `attn-doctor ...` argument lines)
+# WORKERS sets the sweep's worker processes per backend family (default 2, what ran on 2026-12-03).
 set -u
 PART=${PART:-1}
 export PYTHONPATH=$PWD
@@ -25,11 +26,11 @@ if [ "$PART" = 1 ]; then
     python3 -c "import flash_attn.cute, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))"
   } > "$O/versions.txt" 2>&1
   step run-default $AD run --json "$O/run-default.json"
-  step coverage timeout 480 $AD sweep --recipe te-coverage --timeout 90 --out "$O/coverage"
+  step coverage timeout 480 $AD sweep --recipe te-coverage --timeout 90 --workers ${WORKERS:-2} --out "$O/coverage"
 fi
 
 if [ "$PART" = 2 ]; then
-  step coverage-resumed timeout 470 $AD sweep --recipe te-coverage --timeout 90 --resume "$O/coverage"
+  step coverage-resumed timeout 470 $AD sweep --recipe te-coverage --timeout 90 --workers ${WORKERS:-2} --resume "$O/coverage"
   $AD report "$O/coverage" --format markdown > "$O/coverage.md" 2>&1
 fi
 
