@@ -225,6 +225,9 @@ class UserKernel(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case,
                 semantics: Semantics | None = None) -> torch.Tensor:
+        why_not = missing_keyword(self.spec.options["func"], self.keywords, required_keywords(case))
+        if why_not:
+            raise Unsupported(why_not)
         semantics = semantics or Semantics(case)
         offered = {
             "allowed": dense_allowed(semantics, q.device) if needs_mask(case) else None,
@@ -235,9 +238,6 @@ class UserKernel(Backend):
             "mask_type": case.mask,
             "window": case.window,
         }
-        why_not = missing_keyword(self.spec.options["func"], self.keywords, required_keywords(case))
-        if why_not:
-            raise Unsupported(why_not)
         extra = {name: value for name, value in offered.items() if name in self.keywords or "**" in self.keywords}
         return self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, **extra)
 

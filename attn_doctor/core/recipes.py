@@ -138,7 +138,6 @@ def _nones(fields: dict[str, Any], path: Path, where: str, single: bool) -> dict
         return value
     if single:
         return {name: one(name, value) for name, value in fields.items()}
-    return {name: [one(name, v) for v in values] if name not in ("layers", "tp") else values
-            for name, values in fields.items()}
+    return {name: [one(name, v) for v in values] for name, values in fields.items()}
 
 

@@ -59,9 +59,12 @@ class Visibility:
             right = 0 if right < 0 else min(right, 0)
         return cls(left, right, 0)
 
-    @property
-    def unbounded(self) -> bool:
-        return self.left < 0 and self.right < 0
+    def sees_a_key(self, rows: torch.Tensor, seq_kv: int) -> torch.Tensor:
+        """Boolean like `rows` (query positions): which of them see at least one of keys [0, seq_kv)."""
+        shifted = rows + self.diag
+        first = (shifted - self.left).clamp(min=0) if self.left >= 0 else torch.zeros_like(shifted)
+        stop = (shifted + self.right + 1).clamp(max=seq_kv) if self.right >= 0 else torch.full_like(shifted, seq_kv)
+        return stop > first
 
 
 def visibility(case: Case, len_q: int, len_kv: int) -> Visibility:
@@ -111,6 +114,11 @@ class Semantics:
     bias: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None  # float64 [heads]
     sink: torch.Tensor | None = None
+
+    @property
+    def learnable_sink(self) -> bool:
+        """The sink logits are learnable: their gradient is computed and judged."""
+        return self.sink is not None and self.case.softmax == "learnable"
 
     @property
     def per_sequence(self) -> bool:
@@ -181,13 +189,8 @@ def rows_seeing_keys(semantics: Semantics, device: torch.device) -> torch.Tensor
     if semantics.allowed is not None:
         return dense_allowed(semantics, device)[:, 0].any(dim=-1)
     rows = torch.arange(case.seq, device=device)
-    seen = []
-    for b in range(case.batch):
-        vis, len_q, len_kv = semantics.visibility(b), case.lengths_q()[b], case.lengths_kv()[b]
-        first = (rows + vis.diag - vis.left).clamp(min=0) if vis.left >= 0 else torch.zeros_like(rows)
-        stop = (rows + vis.diag + vis.right + 1).clamp(max=len_kv) if vis.right >= 0 else torch.full_like(rows, len_kv)
-        seen.append((stop > first) & (rows < len_q))
-    return torch.stack(seen)
+    return torch.stack([semantics.visibility(b).sees_a_key(rows, case.lengths_kv()[b]) & (rows < case.lengths_q()[b])
+                        for b in range(case.batch)])
 
 
 def valid_tokens(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,14 +120,6 @@ def allowed_mask(
     return visible_pairs(Visibility.top_left(causal, window), rows, cols)
 
 
-def _rows_seeing_keys(q0: int, q1: int, seq_kv: int, vis: Visibility, device: torch.device) -> torch.Tensor:
-    """Boolean [q1 - q0]: which queries see at least one key."""
-    rows = torch.arange(q0, q1, device=device) + vis.diag
-    first = (rows - vis.left).clamp(min=0) if vis.left >= 0 else torch.zeros_like(rows)
-    stop = (rows + vis.right + 1).clamp(max=seq_kv) if vis.right >= 0 else torch.full_like(rows, seq_kv)
-    return stop > first
-
-
 def _mask_tile(scores: torch.Tensor, q0: int, q1: int, c0: int, c1: int, group: int, vis: Visibility) -> None:
     """Fill -inf where the mask hides keys [c0, c1) from queries [q0, q1), touching only the column ranges
     the mask can reach in this tile (for causal, the diagonal strip), not the whole tile."""
@@ -223,11 +215,8 @@ def attention_reference(
         if semantics is not None:
             bias = None if semantics.bias is None else semantics.bias[0].to(torch.float64)
             sink = semantics.sink
-        result = _attention(q, k, v, dout, vis, softmax_scale, bias=bias, sink=sink, block_bytes=block_bytes,
-                            with_terms=with_terms)
-        if semantics is None or semantics.case.softmax != "learnable":
-            result.dsink = result.dsink_terms = None  # a fixed sink (off-by-one) has no gradient to judge
-        return result
+        return _attention(q, k, v, dout, vis, softmax_scale, bias=bias, sink=sink, block_bytes=block_bytes,
+                          with_terms=with_terms, sink_gradient=semantics is not None and semantics.learnable_sink)
     return _per_sequence(q, k, v, dout, semantics, softmax_scale, block_bytes, with_terms)
 
 
@@ -251,6 +240,9 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
             result.dq_terms = torch.zeros_like(result.out_terms)
             result.dk_terms = torch.zeros(batch, seq_kv, kv_heads, 2, dtype=f64, device=device)
             result.dv_terms = torch.zeros_like(result.dk_terms)
+        if semantics.learnable_sink:  # summed over the sequences (an empty one adds nothing: its out is 0)
+            result.dsink = torch.zeros(1, 1, heads, 1, dtype=f64, device=device)
+            result.dsink_terms = torch.zeros(1, 1, heads, 2, dtype=f64, device=device) if with_terms else None
     for b in range(batch):
         len_q, len_kv = case.lengths_q()[b], case.lengths_kv()[b]
         if len_q == 0 or len_kv == 0:
@@ -260,32 +252,26 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
             q[b:b + 1, :len_q], k[b:b + 1, :len_kv], v[b:b + 1, :len_kv],
             None if dout is None else dout[b:b + 1, :len_q], semantics.visibility(b), softmax_scale,
             bias=semantics.bias_of(b, len_q, len_kv, device), allowed=allowed, sink=semantics.sink,
-            block_bytes=block_bytes, with_terms=with_terms)
+            block_bytes=block_bytes, with_terms=with_terms, sink_gradient=semantics.learnable_sink)
         result.out[b, :len_q] = one.out[0]
         result.lse[b, :, :len_q] = one.lse[0]
         for name in ("dq", "dk", "dv", "out_terms", "dq_terms", "dk_terms", "dv_terms"):
             got = getattr(one, name)
             if got is not None:
                 getattr(result, name)[b, :got.shape[1]] = got[0]
-        if one.dsink is not None:
-            result.dsink = one.dsink if result.dsink is None else result.dsink + one.dsink
-            if one.dsink_terms is not None:
-                result.dsink_terms = (one.dsink_terms if result.dsink_terms is None
-                                      else result.dsink_terms + one.dsink_terms)
-    if dout is not None and semantics.sink is not None and case.softmax == "learnable" and result.dsink is None:
-        result.dsink = torch.zeros(1, 1, heads, 1, dtype=f64, device=device)  # every sequence was empty
-        result.dsink_terms = torch.zeros(1, 1, heads, 2, dtype=f64, device=device) if with_terms else None
-    if semantics.case.softmax != "learnable":
-        result.dsink = result.dsink_terms = None
+        for name in ("dsink", "dsink_terms"):
+            if getattr(one, name) is not None:
+                getattr(result, name).add_(getattr(one, name))
     return result
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None, vis: Visibility,
                softmax_scale: float, *, bias: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
                sink: torch.Tensor | None = None, block_bytes: int | None = None,
-               with_terms: bool = True) -> Reference:
+               with_terms: bool = True, sink_gradient: bool = False) -> Reference:
     """The tiled computation for sequences that share one visibility: `bias` float64 broadcastable to
-    [heads, seq_q, seq_kv], `allowed` bool [seq_q, seq_kv] (True = visible, one sequence), `sink` [heads]."""
+    [heads, seq_q, seq_kv], `allowed` bool [seq_q, seq_kv] (True = visible, one sequence), `sink` [heads]
+    (its gradient computed with `sink_gradient`: a learnable sink's)."""
     batch, seq_q, heads, head_dim = q.shape
     _, seq_kv, kv_heads, head_dim_v = v.shape
     group = heads // kv_heads
@@ -313,7 +299,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
         grads = (torch.zeros(pairs, group, seq_q, head_dim, dtype=f64, device=device),
                  torch.zeros(pairs, seq_kv, head_dim, dtype=f64, device=device),
                  torch.zeros(pairs, seq_kv, head_dim_v, dtype=f64, device=device))
-        if sink64 is not None:  # per (pair, group member): the sink logit's gradient and its terms
+        if sink64 is not None and sink_gradient:  # per (pair, group member): the sink's gradient and its terms
             dsink = torch.zeros(pairs, group, 3, dtype=f64, device=device)
     if dout is not None and with_terms:
         # Per row: out and dq like the queries, dk and dv like the keys (see "Term magnitudes" above).
@@ -455,7 +441,7 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
         return scores.exp_()
 
     seq_kv = chunk.k_ext.shape[1]
-    seen = _rows_seeing_keys(q0, q1, seq_kv, block.vis, q_scaled.device).repeat(group)
+    seen = block.vis.sees_a_key(torch.arange(q0, q1, device=q_scaled.device), seq_kv).repeat(group)
     if block.allowed is not None:
         seen = seen & block.allowed.any(dim=-1).repeat(group)
     # Scores bounded by SHIFT_FREE_BOUND can neither overflow exp nor underflow the sums: no shift, and the

@@ -22,10 +22,10 @@ from attn_doctor.probes.repeats import Repeats
 TENSORS = ("out", "dq", "dk", "dv")
 
 
-def _row_masks(case, inputs, device: torch.device) -> dict[str, dict[str, torch.Tensor | None]]:
+def _row_masks(inputs, valid_q: torch.Tensor, valid_kv: torch.Tensor, device: torch.device
+               ) -> dict[str, dict[str, torch.Tensor | None]]:
     """Per tensor, which rows are compared (`rows`) and which are judged by the empty-row rule (`empty_rows`):
     valid tokens only; query rows that see no key on their own (`attn_doctor.numerics.masks`). None: all."""
-    valid_q, valid_kv = valid_tokens(case, device)
     seeing = rows_seeing_keys(inputs.semantics, device)
     if bool(seeing.all()) and bool(valid_kv.all()):
         return {}  # no padding, and every query sees a key: nothing to leave out (the common case)
@@ -56,8 +56,8 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     packed = layouts.packing(case) if fmt == "thd" else None
     qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
     dout = layouts.to_format(inputs.dout, fmt, packed).contiguous()
-    masks = _row_masks(case, inputs, device)
-    valid = valid_tokens(case, device) if case.padded else None
+    valid = valid_tokens(case, device)
+    masks = _row_masks(inputs, *valid, device)
     record = Repeats(repeats)
     ran_texts: list[str] = []
     for repeat in range(repeats):
@@ -92,7 +92,7 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
             name: compare(tensor, reference.tensors()[name], reference.terms(name), **masks.get(name, {}))
             for name, tensor in got.items()
         }
-        if valid is not None:
+        if case.padded:
             for name in TENSORS:
                 values, nonzero = _padding_counts(got[name], valid[0] if name in ("out", "dq") else valid[1])
                 metrics[name] = dataclasses.replace(metrics[name], padding_values=values, padding_nonzero=nonzero)
