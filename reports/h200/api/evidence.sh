@@ -1,46 +1,61 @@
 #!/bin/bash
 # Issue 16's evidence on the H200: run from the project root on the device machine, with TE 2.20.2 and FA4
-# installed (../shared/device: stage-te.sh, stage-fa4.sh). PART picks what runs (each fits one device call);
-# what it wrote lands in $OUT/api-PART.tgz. Outputs stay in /tmp/api between calls on the same machine.
-#   PART=1  versions; the default run (its wall time); the TE-coverage sweep, stopped at 8 minutes
-#   PART=2  the TE-coverage sweep resumed to the end; its markdown report
-#   PART=3  bisects and single runs named in BISECT (a file of `attn-doctor ...` argument lines)
-# WORKERS sets the sweep's worker processes per backend family (default 2, what ran on 2026-12-03).
+# installed (../shared/device: stage-te.sh, stage-fa4.sh). Every call runs the same command and carries on
+# where the last one stopped (state in /tmp/api, kept between calls on one machine), until DEADLINE (epoch
+# seconds; default: 560 s after this script starts), then packs what exists into $OUT/api.tgz:
+#   versions; the default run (its wall time); the TE-coverage sweep (--resume after the first call); its
+#   markdown report; bisects of the smallest case of each distinct TE fault (pick_bisects.py).
+# WORKERS sets the sweep's worker processes per backend family (default 3).
 set -u
-PART=${PART:-1}
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+DEADLINE=${DEADLINE:-$(( $(date +%s) + 560 ))}
 AD="python3 -m attn_doctor"
 O=/tmp/api
-mkdir -p "$O"
+mkdir -p "$O/done"
 
+left() { echo $(( DEADLINE - $(date +%s) )); }
 step() {  # step NAME COMMAND...: stdout+stderr, the exit code and the wall time in $O/NAME.txt
   local name=$1; shift
   local start=$(date +%s.%N)
   { echo "\$ $*"; "$@"; echo "exit $?"; } > "$O/$name.txt" 2>&1
   echo "wall $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s" >> "$O/$name.txt"
 }
+finish() { tar czf "$OUT/api.tgz" --exclude="*.pt" -C /tmp api; ls "$O" "$O/done"; exit 0; }
 
-if [ "$PART" = 1 ]; then
+if [ ! -e "$O/done/versions" ]; then
   { nvidia-smi -L; nvidia-smi --query-gpu=driver_version --format=csv,noheader
     python3 -c "import transformer_engine.pytorch, transformer_engine, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'te', transformer_engine.__version__)"
     python3 -c "import flash_attn.cute, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))"
-  } > "$O/versions.txt" 2>&1
-  step run-default $AD run --json "$O/run-default.json"
-  step coverage timeout 480 $AD sweep --recipe te-coverage --timeout 90 --workers ${WORKERS:-2} --out "$O/coverage"
+  } > "$O/versions.txt" 2>&1 && touch "$O/done/versions"
+fi
+if [ ! -e "$O/done/run-default" ]; then
+  step run-default $AD run --json "$O/run-default.json"; touch "$O/done/run-default"
 fi
 
-if [ "$PART" = 2 ]; then
-  step coverage-resumed timeout 470 $AD sweep --recipe te-coverage --timeout 90 --workers ${WORKERS:-2} --resume "$O/coverage"
+# The coverage sweep, resumed by each call until it ends on its own (exit 0 or 1, not timeout's 124).
+n=0
+while [ ! -e "$O/done/coverage" ] && [ "$(left)" -gt 60 ]; do
+  n=$((n + 1))
+  resume=""; [ -e "$O/coverage/sweep.json" ] && resume="--resume"
+  step "coverage-$(date +%s)" timeout $(( $(left) - 30 )) $AD sweep --recipe te-coverage --timeout 90 \
+      --workers ${WORKERS:-3} --out "$O/coverage" $resume
+  last=$(ls -t "$O"/coverage-*.txt | head -1)
+  grep -q "^exit 124" "$last" || touch "$O/done/coverage"
+done
+[ -e "$O/done/coverage" ] || finish
+
+if [ ! -e "$O/done/report" ]; then
   $AD report "$O/coverage" --format markdown > "$O/coverage.md" 2>&1
+  python3 reports/h200/api/pick_bisects.py "$O/coverage" --limit 4 > "$O/bisect.args" 2> "$O/bisect-picks.txt"
+  touch "$O/done/report"
 fi
 
-if [ "$PART" = 3 ]; then
-  i=0
-  while IFS= read -r line; do
-    [ -z "$line" ] && continue
-    i=$((i + 1))
-    eval "step extra-$i $AD $line"
-  done < "${BISECT:-reports/h200/api/bisect.args}"
-fi
-
-tar czf "$OUT/api-$PART.tgz" --exclude="*.pt" -C /tmp api
+i=0
+while IFS= read -r line; do
+  i=$((i + 1))
+  [ -e "$O/done/bisect-$i" ] && continue
+  [ "$(left)" -gt 90 ] || break
+  eval "step bisect-$i timeout $(( $(left) - 20 )) $AD $line"
+  grep -q "^exit 124" "$O/bisect-$i.txt" || touch "$O/done/bisect-$i"
+done < "$O/bisect.args"
+finish
