@@ -406,6 +406,25 @@ def test_the_fp8_baseline_is_a_quantised_attention_far_from_the_bf16_one():
     assert errors["delayed"] > 4 * errors["none"]  # quantisation dominates: never the bf16 yardstick
 
 
+@pytest.mark.parametrize("fp8, steps", [("delayed", 2), ("current", 1), ("none", 1)])
+def test_delayed_fp8_is_judged_after_one_warm_up_step_with_the_same_output_gradient(fp8, steps, monkeypatch):
+    from attn_doctor.backends import build
+
+    case = make_case(**{**SMALL, "batch": 1, "seq": 16, "head_dim": 16, "dtype": "bf16", "fp8": fp8})
+    local = build(BASELINE)
+    forward, gradients = local.forward, []
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.register_hook(lambda g: gradients.append(g.detach().clone()))
+        return out
+
+    monkeypatch.setattr(local, "forward", recording)
+    outcome = run_probe(local, Coords.call(case, BASELINE, "contiguous"), Caches(CPU))
+    assert outcome.status == "ok" and len(gradients) == steps
+    assert all(torch.equal(g, gradients[-1]) for g in gradients)  # the warm-up saw the measured dout
+
+
 def test_fp8_on_the_cpu_is_refused(run_cli):
     result = run_cli(["run", "--fp8", "delayed", "--device", "cpu", "--batch", "1", "--seq", "8", "--heads", "2",
                       "--head-dim", "8"])

@@ -15,7 +15,7 @@ A case reaches TE as TE's API takes it: its qkv_format (q, k, v built in that fo
 `attn_doctor.core.layouts`), mask type, window, MLA head dims, attention_type and softmax_type at construction
 (`dpa_arguments`); cu_seqlens (and the padded ones), the explicit mask (True = masked out), the bias or ALiBi
 at the call (`forward_arguments`); the learnable sink's values copied into TE's own `softmax_offset`, whose
-gradient is the one judged; FP8 through TE's autocast, with one warm-up step for delayed scaling.
+gradient is the one judged; FP8 through TE's autocast (the probe runs delayed scaling's warm-up step).
 `tests/test_te_wiring.py` checks this wiring on the CPU against a stand-in for DotProductAttention.
 
 TE is imported only inside worker and rank processes (`prepare_process`), before anything touches torch's
@@ -317,10 +317,10 @@ def kernel(q, k, v, case):
         from transformer_engine.common import recipe as recipes
         fp8 = recipes.DelayedScaling(fp8_dpa=True) if case["fp8"] == "delayed" else recipes.Float8CurrentScaling(fp8_dpa=True)
         context = lambda: te.autocast(enabled=True, recipe=fp8)
-        if case["fp8"] == "delayed":  # one warm-up step: delayed scaling's first call quantises with scale 1
+        if case["fp8"] == "delayed":  # one warm-up step (this output gradient): its amaxes give the scales
             with context():
                 warm = module(q, k, v, **call)
-            torch.autograd.grad(warm, (q, k, v), torch.ones_like(warm), allow_unused=True)
+            torch.autograd.grad(warm, (q, k, v), WARMUP_DOUT.reshape(warm.shape), allow_unused=True)
     with context():
         out = module(q, k, v, **call)
     state = dpa._attention_backends
@@ -406,6 +406,7 @@ class TEAttention(Backend):
         self.deterministic = bool(spec.options.get("deterministic", False))
         self._te = load_te()
         self._modules: dict[tuple, torch.nn.Module] = {}
+        self._fp8_module: tuple[tuple, torch.nn.Module] | None = None
         self._cp_stream: torch.cuda.Stream | None = None
         self._last = ""
         self._last_module: torch.nn.Module | None = None
@@ -415,6 +416,13 @@ class TEAttention(Backend):
         # A new module per setting: TE reads some settings (e.g. determinism) only at construction.
         arguments = dpa_arguments(case)
         key = (repr(sorted(arguments.items())), tuple(sorted(parallel)))
+        if case.fp8 != "none":
+            # FP8 state (recipe, scales, amax history) lives in the module: one module per FP8 case, kept for
+            # the case's warm-up and measured steps only, so no case quantises with another's history.
+            if self._fp8_module is None or self._fp8_module[0] != (key, case):
+                with deterministic_mode(self.deterministic):
+                    self._fp8_module = ((key, case), self._te.te.DotProductAttention(**arguments, **parallel))
+            return self._fp8_module[1]
         if key not in self._modules:
             with deterministic_mode(self.deterministic):
                 self._modules[key] = self._te.te.DotProductAttention(**arguments, **parallel)
@@ -461,11 +469,6 @@ class TEAttention(Backend):
             with torch.no_grad():
                 module.softmax_offset.copy_(semantics.sink.detach().to(module.softmax_offset.dtype))
             module.softmax_offset.grad = None
-        if case.fp8 == "delayed":
-            # Delayed scaling quantises with the previous steps' amax (scale 1 on the very first call): one
-            # warm-up step on the same inputs gives the scales a training run converges to.
-            warm = self._call(module, q, k, v, case.fp8, **arguments)
-            torch.autograd.grad(warm, (q, k, v), torch.ones_like(warm), allow_unused=True)
         out = self._call(module, q, k, v, case.fp8, **arguments)
         self._last_module = module
         return out.view(*q.shape[:-2], case.heads, case.d_v)

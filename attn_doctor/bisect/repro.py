@@ -441,8 +441,9 @@ def judge(m, base):
 
 def run(backend, fmt, layout, q, k, v, dout):
     """out, dq, dk, dv (bshd) of `backend` on the layout's views, and the sink's gradient (learnable sinks)."""
-    global SINK_LEAF
+    global SINK_LEAF, WARMUP_DOUT
     qkv = lay_out(q, k, v, fmt, layout)
+    WARMUP_DOUT = to_format(dout, fmt).contiguous()  # FP8 delayed scaling's warm-up step uses it
     sink = SINK.detach().clone().requires_grad_() if CASE.get("softmax") == "learnable" else SINK
     SINK_LEAF = None
     out = backend(*qkv, dict(CASE, sink=sink))

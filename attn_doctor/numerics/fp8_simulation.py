@@ -9,9 +9,9 @@ tensors E5M2), each with a per-tensor scale from its own amax, and computes the 
     forward:  Q, K, V (E4M3), P = softmax(S) (E4M3), O (E4M3)
     backward: dO, dP (E5M2), dS (E5M2), dQ, dK, dV (E5M2)
 
-A per-tensor amax scale is what TE's delayed scaling converges to on repeated identical inputs (TE's probe
-runs one warm-up step first; `attn_doctor.backends.te`), so the simulation and the kernel quantise with the
-same scales up to the amax history's margin. Everything else in fp32, so the yardstick is the quantisation's
+A per-tensor amax scale is what TE's delayed scaling converges to on repeated identical inputs (a delayed
+case's probe runs one warm-up step with the same inputs and output gradient first; `attn_doctor.probes.call`),
+so the simulation and the kernel quantise with the same scales up to the amax history's margin. Everything else in fp32, so the yardstick is the quantisation's
 error, the part of an FP8 kernel's error any correct FP8 implementation shares.
 """
 

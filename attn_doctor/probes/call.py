@@ -44,6 +44,19 @@ def _padding_counts(tensor: torch.Tensor, valid: torch.Tensor) -> tuple[int, int
     return values, int((inside != 0).sum())
 
 
+def _warm_up(backend: Backend, qkv, case, semantics, dout: torch.Tensor) -> None:
+    """One discarded step (forward and backward, this output gradient) before the measured one.
+
+    FP8 delayed scaling quantises each tensor with a scale from the amaxes of earlier steps (scale 1 on the
+    very first). After one step on these very inputs the scales are the ones a converged training run has for
+    them (and what the FP8 simulation of the baseline assumes), so the measured step is judged as a user's
+    steady state, not as a first step."""
+    with kernel_code(passthrough=(Unsupported,)):
+        out = backend.forward(qkv.q, qkv.k, qkv.v, case, with_sink_leaf(semantics))
+        torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v), dout.reshape(out.shape), allow_unused=True)
+        del out
+
+
 def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | None = None,
         repeats: int = 1) -> ProbeOutcome:
     """With `repeats` > 1 the forward and backward run that many times on the same inputs and views; the
@@ -60,6 +73,8 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     masks = _row_masks(inputs, *valid, device)
     record = Repeats(repeats)
     ran_texts: list[str] = []
+    if case.fp8 == "delayed":
+        _warm_up(backend, qkv, case, inputs.semantics, dout)
     for repeat in range(repeats):
         if progress is not None and repeats > 1:
             progress(f"repeat {repeat + 1}/{repeats}")

@@ -4,13 +4,15 @@
 # where the last one stopped (state in /tmp/api, kept between calls on one machine), until DEADLINE (epoch
 # seconds; default: 560 s after this script starts), then packs what exists into $OUT/api.tgz:
 #   versions; the default run (its wall time); the TE-coverage sweep (--resume after the first call); its
-#   markdown report; bisects of the smallest case of each distinct TE fault (pick_bisects.py).
-# WORKERS sets the sweep's worker processes per backend family (default 3).
+#   markdown report; bisects of the smallest case of each distinct TE fault (pick_bisects.py, at most PICKS,
+#   default 4), then the attn-doctor argument lines of the file EXTRA, if given.
+# WORKERS sets the sweep's worker processes per backend family (default 3); API_DIR the state folder (default
+# /tmp/api); DEFAULT_RUN=0 skips the default run; DIAGNOSE=1 runs diagnose.py (TE directly) first.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 560 ))}
 AD="python3 -m attn_doctor"
-O=/tmp/api
+O=${API_DIR:-/tmp/api}
 mkdir -p "$O/done"
 
 left() { echo $(( DEADLINE - $(date +%s) )); }
@@ -20,7 +22,7 @@ step() {  # step NAME COMMAND...: stdout+stderr, the exit code and the wall time
   { echo "\$ $*"; "$@"; echo "exit $?"; } > "$O/$name.txt" 2>&1
   echo "wall $(python3 -c "print(round($(date +%s.%N) - $start, 1))") s" >> "$O/$name.txt"
 }
-finish() { tar czf "$OUT/api.tgz" --exclude="*.pt" -C /tmp api; ls "$O" "$O/done"; exit 0; }
+finish() { tar czf "$OUT/$(basename "$O").tgz" --exclude="*.pt" -C "$(dirname "$O")" "$(basename "$O")"; ls "$O" "$O/done"; exit 0; }
 
 if [ ! -e "$O/done/versions" ]; then
   { nvidia-smi -L; nvidia-smi --query-gpu=driver_version --format=csv,noheader
@@ -28,7 +30,10 @@ if [ ! -e "$O/done/versions" ]; then
     python3 -c "import flash_attn.cute, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))"
   } > "$O/versions.txt" 2>&1 && touch "$O/done/versions"
 fi
-if [ ! -e "$O/done/run-default" ]; then
+if [ "${DIAGNOSE:-0}" = 1 ] && [ ! -e "$O/done/diagnose" ]; then
+  step diagnose python3 reports/h200/api/diagnose.py; touch "$O/done/diagnose"
+fi
+if [ "${DEFAULT_RUN:-1}" = 1 ] && [ ! -e "$O/done/run-default" ]; then
   step run-default $AD run --json "$O/run-default.json"; touch "$O/done/run-default"
 fi
 
@@ -46,7 +51,9 @@ done
 
 if [ ! -e "$O/done/report" ]; then
   $AD report "$O/coverage" --format markdown > "$O/coverage.md" 2>&1
-  python3 reports/h200/api/pick_bisects.py "$O/coverage" --limit 4 > "$O/bisect.args" 2> "$O/bisect-picks.txt"
+  python3 reports/h200/api/pick_bisects.py "$O/coverage" --limit ${PICKS:-4} --out "$O" > "$O/bisect.args" \
+      2> "$O/bisect-picks.txt"
+  [ -n "${EXTRA:-}" ] && sed "s#\$O#$O#g" "$EXTRA" >> "$O/bisect.args"
   touch "$O/done/report"
 fi
 
