@@ -417,6 +417,30 @@ def test_markdown_table_survives_crlf_in_a_reason(render, doc, tmp_path):
     assert len(body) == 9
 
 
+def test_markdown_of_a_large_sweep_fits_githubs_limit_and_says_what_it_left_out(render, doc, tmp_path):
+    from attn_doctor.render.markdown import GITHUB_LIMIT
+
+    document = copy.deepcopy(doc)
+    rows = document["results"]
+    document["results"] = [dict(copy.deepcopy(row), case={**row["case"], "seed": seed})
+                           for seed in range(400) for row in rows]  # 400 cases' worth of the fixture's rows
+    md = render(write_doc(tmp_path / "large.json", document), "markdown")
+    assert len(md) <= GITHUB_LIMIT
+    header, body = md_table(md, "backend", "ran")  # still one well-formed results table
+    from attn_doctor.render.markdown import results_markdown
+    from attn_doctor.results.log import load_results
+
+    whole_table = results_markdown(load_results(tmp_path / "large.json")[0].rows).count("\n") - 1
+    left_out = [int(n) for n in re.findall(r"_… and (\d+) more, left out", md)]
+    assert len(body) + left_out[0] == whole_table  # the results table is the first list cut
+    verdicts = [cell_text(cells[-1]).strip("*\x00") for cells in body]
+    assert verdicts[0] in FAILING and "PASS" not in verdicts[: verdicts.count("FAIL") + verdicts.count("ERROR")]
+
+
+def test_markdown_of_a_small_report_leaves_nothing_out(render):
+    assert "left out to fit" not in render(DATA, "markdown")
+
+
 def test_markdown_escapes_hostile_environment_values(render, doc, tmp_path):
     document = copy.deepcopy(doc)
     document["env"]["env_vars"]["NVTE_HOSTILE"] = "<script>alert(1)</script> C:\\dir\\|x"

@@ -7,6 +7,8 @@ with failing rows first, the reproduce commands, and the long details folded int
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from attn_doctor.numerics.masks import describe
 from attn_doctor.render.env_view import env_markdown
 from attn_doctor.render.format import (
@@ -90,78 +92,115 @@ def depth_markdown(rows: list[Row]) -> str:
     return table(header, body)
 
 
+GITHUB_LIMIT = 65_536  # characters GitHub takes in an issue or comment body
+
+
+@dataclass
+class _Section:
+    """A report section whose `items` (table rows, list entries) are shown in order while they fit its share
+    of the page; `head` and `tail` are always shown. A table's items need `table=True`: a line after a table's
+    rows must follow a blank line, or GitHub reads it as one more row."""
+
+    head: list[str]
+    items: list[str]
+    tail: list[str]
+    share: float
+    table: bool = False
+
+    def size(self, items: int | None = None) -> int:
+        shown = self.items if items is None else self.items[:items]
+        return sum(len(line) + 1 for line in (*self.head, *shown, *self.tail))
+
+    def render(self, budget: int) -> list[str]:
+        if self.size() <= budget:
+            return [*self.head, *self.items, *self.tail]
+        shown = 0
+        while shown < len(self.items) and self.size(shown + 1) + 200 <= budget:
+            shown += 1
+        more = f"_… and {len(self.items) - shown} more, left out to fit GitHub's {GITHUB_LIMIT:,}-character limit: " \
+               "`attn-doctor report RESULTS` shows them all._"
+        return [*self.head, *self.items[:shown], *([""] if self.table else []), more, *self.tail]
+
+
+def _fit(fixed: int, sections: list[_Section]) -> list[list[str]]:
+    """Each section rendered within its share of what the fixed parts leave of GitHub's limit; what a section
+    does not need goes to the others, in proportion to their shares."""
+    room = max(GITHUB_LIMIT - fixed - 1_000, 0)  # 1,000: slack for the joins and the user's own words
+    budgets = {i: room * s.share for i, s in enumerate(sections)}
+    needy = {i for i, s in enumerate(sections) if s.size() > budgets[i]}
+    spare = sum(budgets[i] - sections[i].size() for i in budgets if i not in needy)
+    weight = sum(sections[i].share for i in needy)
+    for i in needy:
+        budgets[i] += spare * sections[i].share / weight
+    return [s.render(int(budgets[i])) for i, s in enumerate(sections)]
+
+
 def report_markdown(data: ReportData) -> str:
+    """The whole report, within GitHub's limit: long lists are cut (failing rows come first) with a line
+    saying how many were left out."""
     report = data.report
-    parts = ["## attn-doctor report", "", f"**Verdict:** {escape(report.summary)}", ""]
+    top = ["## attn-doctor report", "", f"**Verdict:** {escape(report.summary)}", ""]
     if report.seconds.get("points"):
-        parts += [f"**Sweep:** {report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s "
-                  f"({report.seconds['points per minute']:.1f} cases per minute).", ""]
+        top += [f"**Sweep:** {report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s "
+                f"({report.seconds['points per minute']:.1f} cases per minute).", ""]
     if data.known:
-        parts += ["**Known defects matching this machine and case:**", ""]
-        parts += [f"- {escape(text)}" for text in data.known] + [""]
+        top += ["**Known defects matching this machine and case:**", ""]
+        top += [f"- {escape(text)}" for text in data.known] + [""]
     if report.env is not None:
         rows = [[escape(label), escape(value)] for label, value in compact_env(report.env)]
-        parts += ["### Environment", "", table(["", ""], rows), ""]
+        top += ["### Environment", "", table(["", ""], rows), ""]
     cases = list(dict.fromkeys(row.case for row in report.rows))
     if len(cases) == 1:
-        parts += ["**Case:** " + escape(cases[0].short()) + ". " + escape("; ".join(describe(cases[0]))) + ".", ""]
-    writes = [row for row in report.rows if row.padding_writes]
-    if writes:
-        parts += ["**Writes into padding** (flagged, not failed; TE's kernels write zeros there):", ""]
-        parts += [f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())}): " + ", ".join(
+        top += ["**Case:** " + escape(cases[0].short()) + ". " + escape("; ".join(describe(cases[0]))) + ".", ""]
+
+    writes = _Section(["**Writes into padding** (flagged, not failed; TE's kernels write zeros there):", ""], [
+        f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())}): " + ", ".join(
             f"{TENSOR_TITLES.get(n, n)} {nonzero} of {values} values" for n, (nonzero, values) in row.padding_writes.items())
-            for row in writes] + [""]
-    results = results_markdown(report.rows)
-    if results:
-        parts += ["### Results", "",
-                  "Relative L2 error against float64 (computed from the same low-precision inputs), in parentheses "
-                  "its ratio to the Megatron-local baseline's error on the same inputs; ε is the dtype's machine "
-                  f"epsilon. {rule_sentence()} {CANCELLED_NOTE}." + (f" {REPEATS_NOTE}" if has_repeats(report.rows) else ""),
-                  "", results, ""]
-    depth = depth_markdown(report.rows)
-    if depth:
-        parts += ["### dQ against depth", "",
-                  "dQ of a Megatron-style GPT stack with this backend as core attention, against the stack's "
-                  "float64 replica; the last two columns are distances between implementations, the quantity the "
-                  "bug reports measured.", "", depth, ""]
-        if data.plot_name:
-            parts += [f"![dQ error against depth]({data.plot_name})", ""]
+        for row in report.rows if row.padding_writes], [""], share=0.05)
+    results = results_markdown(report.rows).split("\n")
+    results = _Section(["### Results", "",
+                        "Relative L2 error against float64 (computed from the same low-precision inputs), in "
+                        "parentheses its ratio to the Megatron-local baseline's error on the same inputs; ε is the "
+                        f"dtype's machine epsilon. {rule_sentence()} {CANCELLED_NOTE}."
+                        + (f" {REPEATS_NOTE}" if has_repeats(report.rows) else ""), "", *results[:2]],
+                       results[2:], [""], share=0.40, table=True) if results != [""] else None
+    depth = depth_markdown(report.rows).split("\n")
+    depth = _Section(["### dQ against depth", "",
+                      "dQ of a Megatron-style GPT stack with this backend as core attention, against the stack's "
+                      "float64 replica; the last two columns are distances between implementations, the quantity "
+                      "the bug reports measured.", "", *depth[:2]], depth[2:],
+                     ["", f"![dQ error against depth]({data.plot_name})", ""] if data.plot_name else [""],
+                     share=0.10, table=True) if depth != [""] else None
     failing = data.failing
-    if failing:
-        parts += ["### Reproduce", ""]
-        for command in data.repro_commands:
-            parts += ["```bash", command, "```"]
-        parts.append("")
-        parts += ["<details><summary>Why each failing row failed</summary>", ""]
-        for row in failing:
-            head = f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())})"
-            whys = [(name, t.why) for name, t in row.tensors.items() if t.verdict == "FAIL" and t.why]
-            if whys:  # one line per failing tensor: its error, its yardstick, and why that yardstick
-                parts.append(f"{head}:")
-                parts += [f"  - {name}: {escape(why)}" for name, why in whys]
-            else:
-                parts.append(f"{head}: {escape(row.reason)}")
-        parts += ["", "</details>", ""]
-    skipped = data.skipped
-    if skipped:
-        parts += ["<details><summary>Skipped paths and why</summary>", ""]
-        for row, layout in skipped:
-            parts.append(f"- {escape(row.backend)} ({'all layouts' if layout == 'all' else escape(layout)}): "
-                         f"{escape(row.reason)}")
-        parts += ["", "</details>", ""]
-    details = [row for row in failing if row.detail]
-    if details:
-        parts += ["<details><summary>Error details</summary>", ""]
-        for row in details:
-            parts += [f"{escape(row.backend)} on {escape(row.layout)}:", "", FENCE,
-                      row.detail.strip().replace(FENCE, "` ` `"), FENCE, ""]
-        parts += ["</details>", ""]
+    reproduce = _Section(["### Reproduce", ""], [f"{FENCE}bash\n{command}\n{FENCE}" for command in data.repro_commands],
+                         [""], share=0.10)
+    whys = []
+    for row in failing:
+        head = f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())})"
+        failed = [(name, t.why) for name, t in row.tensors.items() if t.verdict == "FAIL" and t.why]
+        # one entry per row: each failing tensor's error, its yardstick, and why that yardstick
+        whys.append("\n".join([f"{head}:"] + [f"  - {name}: {escape(why)}" for name, why in failed]) if failed
+                    else f"{head}: {escape(row.reason)}")
+    whys = _Section(["<details><summary>Why each failing row failed</summary>", ""], whys, ["", "</details>", ""],
+                    share=0.15)
+    skipped = _Section(["<details><summary>Skipped paths and why</summary>", ""], [
+        f"- {escape(row.backend)} ({'all layouts' if layout == 'all' else escape(layout)}): {escape(row.reason)}"
+        for row, layout in data.skipped], ["", "</details>", ""], share=0.10)
+    errors = _Section(["<details><summary>Error details</summary>", ""], [
+        "\n".join([f"{escape(row.backend)} on {escape(row.layout)}:", "", FENCE,
+                   row.detail.strip().replace(FENCE, "` ` `"), FENCE, ""]) for row in failing if row.detail],
+        ["</details>", ""], share=0.10)
+    bottom: list[str] = []
     if report.env is not None:
-        parts += ["<details><summary>Full environment</summary>", "", env_markdown(report.env), "", "</details>", ""]
+        bottom += ["<details><summary>Full environment</summary>", "", env_markdown(report.env), "", "</details>", ""]
     made = ", ".join(escape(x) for x in (f"attn-doctor {report.tool_version}" if report.tool_version else "",
                                          report.created) if x)
-    parts += [f"<sub>{escape(report.command)}{' — ' + made if made else ''}</sub>", ""]
-    return "\n".join(parts)
+    bottom += [f"<sub>{escape(report.command)}{' — ' + made if made else ''}</sub>", ""]
+
+    order = (writes, results, depth, reproduce if failing else None, whys, skipped, errors)
+    sections = [s for s in order if s is not None and s.items]
+    fitted = dict(zip(map(id, sections), _fit(sum(len(x) + 1 for x in top + bottom), sections)))
+    return "\n".join(top + [line for s in order for line in fitted.get(id(s), [])] + bottom)
 
 
 __all__ = ["depth_markdown", "escape", "report_markdown", "results_markdown", "table"]

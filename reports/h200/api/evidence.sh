@@ -26,7 +26,7 @@ finish() { tar czf "$OUT/$(basename "$O").tgz" --exclude="*.pt" -C "$(dirname "$
 
 if [ ! -e "$O/done/versions" ]; then
   { nvidia-smi -L; nvidia-smi --query-gpu=driver_version --format=csv,noheader
-    python3 -c "import transformer_engine.pytorch, transformer_engine, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'te', transformer_engine.__version__)"
+    python3 -c "import transformer_engine.pytorch, transformer_engine, transformer_engine_torch as tex, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'te', transformer_engine.__version__, 'cudnn (TE)', tex.get_cudnn_version())"
     python3 -c "import flash_attn.cute, importlib.metadata as m; print('flash-attn-4', m.version('flash-attn-4'))"
   } > "$O/versions.txt" 2>&1 && touch "$O/done/versions"
 fi
