@@ -132,6 +132,11 @@ def _head_dims(coords: Coords) -> list[int]:
 
 
 CATEGORICAL: tuple[Categorical, ...] = (
+    # A replayed call first: does the fault need the captured values and views, or do seeded inputs of its
+    # shapes, contiguous, show it too (then every other knob can shrink it)?
+    Categorical("replay", lambda c: c.case.replay, lambda c: [None] if c.case.replay is not None else [],
+                lambda c, _: _rebuilt(c, case=Case.from_dict({**c.case.to_dict(), "replay": None}),
+                                      layout="contiguous" if c.layout == "captured" else c.layout)),
     Categorical("layout", lambda c: c.layout,
                 lambda c: ["contiguous"] if c.kind is not ProbeKind.DEPTH and c.layout != "contiguous" else [],
                 lambda c, v: _rebuilt(c, layout=v)),

@@ -11,7 +11,10 @@ import click
 
 from attn_doctor.cli.app import DoctorGroup
 from attn_doctor.cli.bisect import bisect
+from attn_doctor.cli.capture import capture
+from attn_doctor.cli.compare import compare
 from attn_doctor.cli.env import env
+from attn_doctor.cli.replay import replay
 from attn_doctor.cli.report import report
 from attn_doctor.cli.run import run
 from attn_doctor.cli.sweep import sweep
@@ -27,7 +30,7 @@ def cli() -> None:
     """
 
 
-for command in (env, run, sweep, bisect, report):
+for command in (env, run, sweep, bisect, report, capture, replay, compare):
     cli.add_command(command)
 
 

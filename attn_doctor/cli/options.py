@@ -24,7 +24,7 @@ from attn_doctor.core.case import (
     make_case,
 )
 from attn_doctor.core.errors import BadInput
-from attn_doctor.core.layouts import LAYOUT_ALIASES, LAYOUTS
+from attn_doctor.core.layouts import CAPTURED, LAYOUT_ALIASES, LAYOUTS
 
 MASK_NAMES = MASKS + tuple(MASK_ALIASES)
 
@@ -103,7 +103,8 @@ def api_options(grid: bool) -> list[Callable]:
         click.option("--softmax", help=f"{listing}TE's softmax_type: {', '.join(SOFTMAX_TYPES)} [vanilla]."),
         click.option("--fp8", help=f"{listing}FP8 attention recipe: {', '.join(FP8_RECIPES)} [none]."),
         click.option("--mask-source", help="The explicit mask of --mask arbitrary: random:P (P masked out)."),
-    ]
+    ] + ([] if grid else [click.option("--replay", help="A captured call to check (DIR@RANK.PID.INDEX, as "
+                                                        "`attn-doctor replay` names it): its shapes and values.")])
 
 
 def grid_options(fn: Callable) -> Callable:
@@ -137,7 +138,7 @@ def backend_options(fn: Callable) -> Callable:
                           "TARGET is a module or a .py path (repeatable). Masks, lengths, bias and sinks arrive "
                           "as the keywords allowed, seqlens_q/kv, bias, softmax_offset when it takes them."),
         click.option("--layout", "layouts", multiple=True, metavar="NAME",
-                     type=click.Choice(LAYOUTS + tuple(LAYOUT_ALIASES)),
+                     type=click.Choice(LAYOUTS + (CAPTURED,) + tuple(LAYOUT_ALIASES)),
                      help=f"A memory layout to feed (repeatable): {', '.join(LAYOUTS)}, or TE's names (sb3hd, "
                           "thd_t2hd, ...) [contiguous, sb3hd_packed, sbh3d_packed, head_slice, transposed; thd: "
                           "contiguous, head_slice, qkv_3hd, kv_2hd]."),
@@ -163,8 +164,12 @@ def build_case(options: dict[str, Any]) -> Case:
     fields: dict[str, Any] = {}
     if options.get("recipe"):
         fields.update(load_recipe(options["recipe"]).case)
+    if options.get("replay"):  # the captured call's case; flags still override (and must keep its shapes)
+        from attn_doctor.tracing.replay import case_of_reference
+
+        fields.update(case_of_reference(options["replay"]).to_dict())
     for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed", "inputs",
-                 "qkv_format", "bias", "softmax", "fp8", "mask_source", "pad_between_seqs"):
+                 "qkv_format", "bias", "softmax", "fp8", "mask_source", "pad_between_seqs", "replay"):
         if options.get(name) is not None:
             fields[name] = options[name]
     if options.get("window") is not None:

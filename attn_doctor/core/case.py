@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ DEFAULT_MASKED_FRACTION = 0.25
 # dict, short form and flags, so cases, documents and point ids of the dense API read as they always did.
 API_DEFAULTS: dict[str, Any] = {"qkv_format": "sbhd", "seqlens": None, "seqlens_kv": None,
                                 "pad_between_seqs": False, "head_dim_v": None, "bias": "no_bias",
-                                "softmax": "vanilla", "fp8": "none", "mask_source": None}
+                                "softmax": "vanilla", "fp8": "none", "mask_source": None, "replay": None}
 # The distributions of q, k, v (`attn_doctor.numerics.inputs` says what each is and why), plainest first.
 INPUTS = ("normal", "uniform", "outliers", "large-logits", "structured")
 
@@ -70,6 +71,9 @@ class Case:
     softmax: str = "vanilla"  # TE's softmax_type: one of SOFTMAX_TYPES (sinks)
     fp8: str = "none"  # TE's FP8 attention recipe: one of FP8_RECIPES
     mask_source: str | None = None  # mask "arbitrary": "random:P"
+    # A captured call this case replays (`attn_doctor.tracing.replay`): DIR@RANK.PID.INDEX. Its values (when
+    # recorded) replace the seeded ones, and the `captured` layout rebuilds its exact views.
+    replay: str | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -186,6 +190,8 @@ class Case:
             parts.append((f"fp8:{self.fp8}", f"--fp8 {self.fp8}"))
         if self.mask_source is not None:
             parts.append((self.mask_source, f"--mask-source {self.mask_source}"))
+        if self.replay is not None:
+            parts.append((f"call {self.replay.rpartition('@')[2]}", f"--replay {shlex.quote(self.replay)}"))
         return parts
 
     def describe_api(self) -> list[str]:
@@ -327,6 +333,7 @@ def make_case(**fields: Any) -> Case:
     if case.pad_between_seqs and case.qkv_format != "thd":
         raise BadInput("--pad-between-seqs packs padding between sequences of a thd tensor; add --qkv-format thd")
     _check_mask_source(case)
+    _check_replay(case)
     if case.fp8 != "none" and case.dtype == "fp32":
         raise BadInput("FP8 attention takes bf16 or fp16 inputs (TE quantises them); use --dtype bf16 with --fp8")
     return case
@@ -360,6 +367,18 @@ def _check_lengths(case: Case) -> Case:
             raise BadInput(f"thd needs a padding mask type: use --mask "
                            f"{'padding_' + case.mask if case.causal else 'padding'}")
     return case
+
+
+def _check_replay(case: Case) -> None:
+    """A replayed call keeps its captured shapes (its values and views have them)."""
+    if case.replay is None:
+        return
+    from attn_doctor.tracing.replay import load_call, native_format
+
+    call = load_call(case.replay)
+    if native_format(call) != "thd" and math.prod(call.meta["tensors"]["q"]["shape"]) != (
+            case.batch * case.seq * case.heads * case.head_dim):
+        raise BadInput("a replayed call keeps its captured shapes; drop --replay to change them")
 
 
 def _check_mask_source(case: Case) -> None:

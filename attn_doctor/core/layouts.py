@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # torch is imported where views are built, so that the comman
 
 LAYOUTS = ("contiguous", "sb3hd_packed", "sbh3d_packed", "head_slice", "transposed", "qkv_3hd", "qkv_h3d",
            "kv_2hd", "kv_h2d")
+# A replayed call's own views (`attn_doctor.tracing.replay.captured_views`): the geometry comes from the capture.
+CAPTURED = "captured"
 # TE's qkv_layout names, by format, for the packed layouts (what a user knows them as).
 TE_LAYOUT_NAMES = {
     "qkv_3hd": {"sbhd": "sb3hd", "bshd": "bs3hd", "thd": "t3hd"},
@@ -45,6 +47,8 @@ THD_DEFAULT = ("contiguous", "head_slice", "qkv_3hd", "kv_2hd")
 
 
 def default_layouts(case) -> tuple[str, ...]:
+    if case.replay is not None:  # the call's own views, and the same values contiguous
+        return (CAPTURED, "contiguous")
     return THD_DEFAULT if case.qkv_format == "thd" else DENSE_DEFAULT
 
 
@@ -207,6 +211,8 @@ _BUILDERS: dict[str, Callable] = {
 
 def layout_unsupported(layout: str, case) -> str | None:
     """Why `layout` cannot hold this case (`attn_doctor.core.case.Case`), or None when it can."""
+    if layout == CAPTURED:
+        return None if case.replay is not None else "the captured layout is a replayed call's (attn-doctor replay)"
     seq_q, seq_kv, heads, kv_heads = case.seq, case.seq_k, case.heads, case.num_kv_heads
     if layout in ("sb3hd_packed", "sbh3d_packed") and seq_q != seq_kv:
         return f"{layout} packs q, k, v in one buffer, so it needs seq_kv == seq"

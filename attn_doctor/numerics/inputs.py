@@ -57,6 +57,12 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
     on `device` from one generator and rounded to the dtype: cases with equal keys get bitwise-equal inputs,
     in every process. `normal` draws exactly what it always drew (q, k, v, dout, in that order); the
     standalone repro (`attn_doctor.bisect.repro`) draws the same, step for step."""
+    if case.replay is not None:  # a captured call: its own values, when they were recorded
+        from attn_doctor.tracing.replay import captured_inputs
+
+        captured = captured_inputs(case, device)
+        if captured is not None:
+            return Inputs(*captured, make_semantics(case, device))
     generator = torch.Generator(device=device).manual_seed(case.seed)
     dtype = TORCH_DTYPES[case.dtype]
     b, s, skv, h, hkv, d = case.batch, case.seq, case.seq_k, case.heads, case.num_kv_heads, case.head_dim

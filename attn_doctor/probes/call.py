@@ -67,7 +67,12 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     seconds = {"reference": caches.case.reference_seconds, "kernel": 0.0, "compare": 0.0}
     fmt = backend.format_for(case)
     packed = layouts.packing(case) if fmt == "thd" else None
-    qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
+    if coords.layout == layouts.CAPTURED:
+        from attn_doctor.tracing.replay import captured_views
+
+        qkv = captured_views(case, inputs.q, inputs.k, inputs.v, fmt)
+    else:
+        qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
     dout = layouts.to_format(inputs.dout, fmt, packed).contiguous()
     valid = valid_tokens(case, device)
     masks = _row_masks(inputs, *valid, device)

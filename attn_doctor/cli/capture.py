@@ -1,0 +1,97 @@
+"""`attn-doctor capture --out DIR -- <command ...>`: run a user's own script unchanged and record every
+attention call it makes (`attn_doctor.tracing.record`). Exit 0 when the command succeeded and calls were
+recorded, 1 when the command failed (what it recorded is kept), 2 when nothing could be recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import click
+
+import attn_doctor
+from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
+from attn_doctor.cli.options import int_list
+from attn_doctor.core.errors import BadInput
+
+BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
+
+
+def byte_size(text: str) -> int:
+    number = text.strip().lower().rstrip("ib")
+    unit = number.lstrip("0123456789.")
+    try:
+        return int(float(number[: len(number) - len(unit)]) * BYTE_UNITS[unit or ""])
+    except (KeyError, ValueError):
+        raise BadInput(f"--max-bytes takes a size such as 256MB, 2GB or 1048576, got {text!r}") from None
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The capture folder (created; calls of every rank go under it).")
+@click.option("--values", is_flag=True, help="Also record the tensors' values (forward and output gradient) of "
+              "the selected calls, as safetensors.")
+@click.option("--layers", help="With --values: only these layers, e.g. 0,23.")
+@click.option("--steps", help="With --values: only these forward passes (0 = the first), e.g. 1.")
+@click.option("--ranks", help="With --values: only these ranks, e.g. 0.")
+@click.option("--max-bytes", default="256MB", show_default=True,
+              help="With --values: at most this much per process; later calls keep their metadata only.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_obj
+def capture(app: Application, out: Path, values: bool, layers: str | None, steps: str | None, ranks: str | None,
+            max_bytes: str, command: tuple[str, ...]) -> int:
+    """Run COMMAND (after --) unchanged and record every attention call it makes: TE DotProductAttention,
+    torch's scaled_dot_product_attention and flash-attn, in every Python process it starts (torchrun too).
+    Metadata always (shapes, strides, storage offsets, masks, lengths, TE's chosen backend, rank, layer);
+    values only with --values, for the selected calls. Never captured: weights, data, other activations."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise BadInput("no command to run: attn-doctor capture --out DIR -- python train.py ...")
+    if shutil.which(command[0]) is None and not Path(command[0]).exists():
+        raise BadInput(f"{command[0]!r} is not a program on PATH; give the command as you would run it")
+    selection = {"values": values, "max_bytes": byte_size(max_bytes),
+                 **{name: int_list(text, name) for name, text in (("layers", layers), ("steps", steps),
+                                                                  ("ranks", ranks))}}
+    if not values and any(selection[name] is not None for name in ("layers", "steps", "ranks")):
+        raise BadInput("--layers, --steps and --ranks choose whose values are recorded: add --values")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"cannot create --out {out}: {exc.strerror}") from None
+    from attn_doctor.tracing.store import read_capture
+
+    bootstrap = Path(attn_doctor.__file__).parent / "tracing" / "bootstrap"
+    package_root = Path(attn_doctor.__file__).parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(bootstrap), str(package_root)] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["ATTN_DOCTOR_CAPTURE"] = json.dumps({"out": str(out.resolve()), **selection})
+    child = subprocess.Popen(list(command), env=env)
+    try:
+        code = child.wait()
+    except KeyboardInterrupt:
+        child.terminate()
+        try:
+            child.wait(timeout=1.5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        calls = len(read_capture(out)) if (out / "capture.json").exists() else 0
+        raise Interrupted(f"interrupted; the {calls} calls recorded so far are in {out}") from None
+    calls = read_capture(out) if (out / "capture.json").exists() else []
+    ranks_seen = sorted({c.rank for c in calls})
+    with_values = sum(1 for c in calls if c.values_path is not None)
+    summary = (f"{len(calls)} attention calls recorded in {out} (ranks {', '.join(map(str, ranks_seen))}; "
+               f"{with_values} with values)") if calls else ""
+    if code != 0:
+        click.echo(f"the command exited with {code}" + (f"; {summary}" if summary else ""), err=True)
+        return EXIT_FAULT
+    if not calls:
+        raise BadInput("the command ran but made no attention call attn-doctor wraps (TE DotProductAttention, "
+                       "torch scaled_dot_product_attention, flash-attn), or it is not a Python program")
+    click.echo(summary)
+    click.echo(f"replay:  attn-doctor replay {out}")
+    return EXIT_OK

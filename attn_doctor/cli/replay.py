@@ -1,0 +1,96 @@
+"""`attn-doctor replay DIR`: every distinct call of a capture (`attn-doctor capture`) checked like a sweep
+point: the captured shapes, values (when recorded) and exact views, on every path, against float64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from attn_doctor.cli.app import Application, Interrupted
+from attn_doctor.cli.options import backend_options, repeats_option
+from attn_doctor.core.errors import BadInput
+from attn_doctor.core.layouts import canonical_layouts
+
+
+def _span(values: list[int]) -> str:
+    values = sorted(set(values))
+    return f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}" if values == list(
+        range(values[0], values[-1] + 1)) else ",".join(map(str, values))
+
+
+@click.command()
+@click.argument("capture_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--call", "call_index", type=int, help="Only the call of this index (of each rank's process).")
+@click.option("--layer", type=int, help="Only the calls of this layer.")
+@click.option("--rank", type=int, help="Only the calls of this rank.")
+@click.option("--seed", type=int, default=1234, show_default=True,
+              help="Seed of the inputs of calls whose values were not captured.")
+@backend_options
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the results go (a sweep folder: `report` and `bisect --from` read it) "
+                   "[reports/replay-<time>].")
+@repeats_option
+@click.pass_obj
+def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, backends, kernels, layouts, device,
+           timeout, out_dir, repeats) -> int:
+    """Check every distinct call of a capture on every path against float64: the call's own shapes and values
+    (seeded ones when only metadata was captured) on its own views (layout `captured`) and contiguous.
+    Identical calls (same API, arguments, shapes, strides, dtypes) are checked once and counted."""
+    from attn_doctor.machine.devices import check_device_name
+    from attn_doctor.tracing.replay import case_of
+    from attn_doctor.tracing.store import read_capture
+
+    check_device_name(device)
+    calls = [c for c in read_capture(capture_dir)
+             if (call_index is None or c.index == call_index) and (layer is None or c.meta["layer"] == layer)
+             and (rank is None or c.rank == rank)]
+    if not calls:
+        raise BadInput(f"no captured call of {capture_dir} matches --call/--layer/--rank")
+    groups: dict[str, list] = {}
+    for call in calls:
+        groups.setdefault(call.signature(), []).append(call)
+    cases, refused = [], []
+    app.console.print(f"{len(calls)} calls, {len(groups)} distinct:")
+    for number, members in enumerate(groups.values(), start=1):
+        chosen = next((c for c in members if c.values_path is not None), members[0])
+        case = case_of(chosen, capture_dir, seed)
+        where = (f"{len(members)} call{'s' * (len(members) > 1)}: {members[0].meta['api']}, ranks "
+                 f"{_span([c.rank for c in members])}, layers {_span([c.meta['layer'] for c in members])}, steps "
+                 f"{_span([c.meta['step'] for c in members])}")
+        if isinstance(case, str):
+            refused.append(case)
+            app.console.print(f"  {number}. {where}: not replayed ({case})")
+        else:
+            cases.append(case)
+            values = "captured values" if chosen.values_path is not None and chosen.dout_path is not None else \
+                "seeded values"
+            app.console.print(f"  {number}. {where}: {case.short().rsplit(' call ', 1)[0]}, {values}")
+    if not cases:
+        raise BadInput(f"none of the {len(groups)} distinct calls can be replayed yet: {refused[0]}")
+
+    from attn_doctor.backends import select
+    from attn_doctor.machine.devices import resolve_device
+    from attn_doctor.render.terminal import sweep_view
+    from attn_doctor.results.files import check_writable
+    from attn_doctor.workflows import sweep as sweeping
+
+    specs = select(backends, kernels)
+    directory = out_dir or app.new_run_dir("replay")
+    check_writable(directory, "--out", directory=True)
+    request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,
+                                    timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
+                                    repeats=repeats)
+    plan = sweeping.prepare(request)
+    try:
+        report = sweeping.run(plan, app.progress())
+    except KeyboardInterrupt:
+        raise Interrupted(f"the finished calls are in {plan.log.path}") from None
+    for renderable in sweep_view(report):
+        app.console.print(renderable)
+    saved, why = sweeping.save(report, directory)
+    app.console.print(f"results: {saved} (streamed: {plan.log.path})")
+    app.console.print(f"report:  attn-doctor report {directory} --format markdown")
+    if why:
+        return app.kept_elsewhere(why, saved)
+    return app.exit_code(report)

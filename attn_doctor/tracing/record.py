@@ -1,0 +1,474 @@
+"""Recording the attention calls a model really makes: `attn-doctor capture -- <command>` and
+`with attn_doctor.capture(DIR): ...`.
+
+What is wrapped, for as long as the capture runs: `torch.nn.functional.scaled_dot_product_attention`, TE's
+`DotProductAttention.forward` and flash-attn's `flash_attn_func` / `flash_attn_varlen_func` (TE and flash-attn
+when imported, before or after the capture starts). Each call is passed through untouched (same arguments,
+same tensors, no copy before the call, no synchronisation), so a capture never changes the numbers of the run
+it observes; then its metadata is written (`attn_doctor.tracing.store`): every tensor's shape, dtype, strides,
+storage offset and storage size (tensors sharing a storage share its id, so packed q/k/v views replay as
+packed), the call's arguments (small integer tensors such as cu_seqlens with their values), what TE chose
+(its backend, sub-backend and layout, read back from TE), FP8 state, the process rank and parallel sizes, the
+module path and layer number, the forward-pass (step) number and the call's index. A call made inside
+another captured call (e.g. SDPA under a wrapper) is not recorded twice.
+
+Values (`values=True`) are recorded for the selected layers, steps and ranks only, within `max_bytes` per
+process: q, k, v, out and the masks after the forward; the output gradient and dQ, dK, dV when the backward
+reaches them (tensor hooks that return nothing, so no gradient changes). Nothing else is captured: no weights, no
+model inputs, no other activations.
+
+The layer is the first number in the module path (`decoder.layers.17.self_attention` -> 17: Megatron's and
+Hugging Face's naming), else the call's position within its forward pass. The step counts forward passes of
+the first module called from outside any module (the model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import importlib
+import importlib.abc
+import inspect
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from attn_doctor.tracing import store
+
+DEFAULT_MAX_BYTES = 256 * 2**20
+SMALL_INT_TENSOR = 65_536  # integer tensors up to this many elements (lengths, offsets) keep their values
+ENV_OPTIONS = "ATTN_DOCTOR_CAPTURE"  # the options of `attn-doctor capture`, as JSON, for the child processes
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which calls get their values recorded, and the budget for them."""
+
+    values: bool = False
+    layers: frozenset[int] | None = None
+    steps: frozenset[int] | None = None
+    ranks: frozenset[int] | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def wants(self, layer: int | None, step: int, rank: int) -> bool:
+        return self.values and all(chosen is None or value in chosen for chosen, value in (
+            (self.layers, layer), (self.steps, step), (self.ranks, rank)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"values": self.values, "max_bytes": self.max_bytes,
+                **{name: sorted(getattr(self, name)) if getattr(self, name) is not None else None
+                   for name in ("layers", "steps", "ranks")}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Selection":
+        return cls(values=bool(d.get("values")), max_bytes=int(d.get("max_bytes", DEFAULT_MAX_BYTES)),
+                   **{name: frozenset(d[name]) if d.get(name) is not None else None
+                      for name in ("layers", "steps", "ranks")})
+
+
+_parallel: dict[str, int] = {}
+
+
+def describe_parallel(**sizes: int) -> None:
+    """Tell the capture the parallel layout of this process when it cannot read it from Megatron, e.g.
+    `describe_parallel(tp=2, tp_rank=1)` (also cp, cp_rank, dp, dp_rank)."""
+    _parallel.update(sizes)
+
+
+def _rank() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _parallel_sizes() -> dict[str, int]:
+    """TP/CP/DP sizes and ranks: what `describe_parallel` said, else Megatron's parallel_state if it is set up."""
+    if _parallel:
+        return dict(_parallel)
+    state = sys.modules.get("megatron.core.parallel_state")
+    try:
+        if state is not None and state.model_parallel_is_initialized():
+            return {"tp": state.get_tensor_model_parallel_world_size(),
+                    "tp_rank": state.get_tensor_model_parallel_rank(),
+                    "cp": state.get_context_parallel_world_size(), "cp_rank": state.get_context_parallel_rank(),
+                    "dp": state.get_data_parallel_world_size(), "dp_rank": state.get_data_parallel_rank()}
+    except Exception:  # noqa: BLE001 - a fact we could not read is absent, never a failed run
+        pass
+    return {}
+
+
+def tensor_meta(t: torch.Tensor, storages: dict[int, int]) -> dict[str, Any]:
+    """A tensor's geometry: what replay needs to rebuild the same view into a storage of the same size."""
+    storage = t.untyped_storage()
+    sid = storages.setdefault(storage.data_ptr(), len(storages))
+    return {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
+            "dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device),
+            "storage": {"id": sid, "nbytes": storage.nbytes()}, "requires_grad": t.requires_grad}
+
+
+def describe_value(value: Any, storages: dict[int, int]) -> Any:
+    """An argument as JSON: tensors by their geometry (small integer ones with their values), the rest as
+    plain values or their repr."""
+    if isinstance(value, torch.Tensor):
+        meta = {"tensor": tensor_meta(value, storages)}
+        if not value.is_floating_point() and value.dtype != torch.bool and value.numel() <= SMALL_INT_TENSOR:
+            meta["values"] = value.detach().to("cpu").reshape(-1).tolist()
+        return meta
+    if isinstance(value, (list, tuple)):
+        return [describe_value(v, storages) for v in value]
+    if isinstance(value, dict):
+        return {str(k): describe_value(v, storages) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return {"repr": repr(value)[:500]}
+
+
+class _ModuleStack(threading.local):
+    def __init__(self) -> None:
+        self.modules: list[torch.nn.Module] = []
+        self.busy = False  # inside a recorded call: calls it makes are not recorded again
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Wraps a module's loader so that `patch(module)` runs right after the module is imported."""
+
+    def __init__(self, targets: dict[str, Callable[[Any], None]]):
+        self.targets = targets
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.targets:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None and spec.loader is not None:
+                loader, patch = spec.loader, self.targets[name]
+                original = loader.exec_module
+
+                def exec_module(module, _original=original, _patch=patch):
+                    _original(module)
+                    _patch(module)
+
+                loader.exec_module = exec_module
+                return spec
+        return None
+
+
+class Recorder:
+    """One process's capture: wraps the attention functions, tracks the module path, writes each call."""
+
+    def __init__(self, root: Path, selection: Selection | None = None):
+        self.root = Path(root)
+        self.selection = selection or Selection()
+        self.calls = 0
+        self.value_bytes = 0
+        self._stack = _ModuleStack()
+        self._names: dict[int, dict[int, str]] = {}
+        self._model: int | None = None
+        self._step = -1
+        self._ordinal = 0
+        self._lock = threading.Lock()
+        self._undo: list[Callable[[], None]] = []
+        self._log: store.CallLog | None = None
+        self._process = {"pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+    # -- starting and stopping --
+
+    def start(self) -> "Recorder":
+        self.root.mkdir(parents=True, exist_ok=True)
+        header = self.root / store.HEADER
+        if not header.exists():
+            store.write_json(header, {"format": store.FORMAT, "format_version": store.FORMAT_VERSION,
+                                      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                      "selection": self.selection.to_dict(), "command": sys.argv})
+        import torch.nn.functional as F
+        from torch.nn.modules import module as nn_module
+
+        self._wrap_attribute(F, "scaled_dot_product_attention", self._sdpa)
+        handles = [nn_module.register_module_forward_pre_hook(self._enter)]
+        try:
+            handles.append(nn_module.register_module_forward_hook(self._leave, always_call=True))
+        except TypeError:  # torch without always_call: a forward that raises leaves its module on the stack
+            handles.append(nn_module.register_module_forward_hook(self._leave))
+        self._undo += [h.remove for h in handles]
+        targets = {"transformer_engine.pytorch": self._patch_te, "flash_attn": self._patch_flash}
+        for name, patch in list(targets.items()):
+            if name in sys.modules:
+                patch(sys.modules[name])
+                del targets[name]
+        if targets:
+            hook = _ImportHook(targets)
+            sys.meta_path.insert(0, hook)
+            self._undo.append(lambda: sys.meta_path.remove(hook) if hook in sys.meta_path else None)
+        return self
+
+    def stop(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _wrap_attribute(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        original = getattr(owner, name, None)
+        if original is None or getattr(original, "_attn_doctor_original", None) is not None:
+            return
+        wrapped = make(original)
+        wrapped._attn_doctor_original = original
+        setattr(owner, name, wrapped)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def _patch_te(self, te: Any) -> None:
+        cls = getattr(te, "DotProductAttention", None)
+        if cls is not None:
+            self._wrap_attribute(cls, "forward", self._te_forward)
+
+    def _patch_flash(self, flash: Any) -> None:
+        for name in ("flash_attn_func", "flash_attn_varlen_func"):
+            self._wrap_attribute(flash, name, functools.partial(self._generic, f"flash_attn.{name}"))
+
+    # -- where we are in the model --
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        stack = self._stack.modules
+        if not stack:
+            if self._model is None:
+                self._model = id(module)
+            if id(module) == self._model:
+                self._step += 1
+                self._ordinal = 0
+            if id(module) not in self._names:
+                self._names[id(module)] = {id(m): name for name, m in module.named_modules()}
+        stack.append(module)
+
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack.modules
+        while stack:  # pop up to this module (a forward that raised may have left others on top)
+            if stack.pop() is module:
+                break
+
+    def _where(self) -> tuple[str, int | None]:
+        stack = self._stack.modules
+        if not stack:
+            return "", None
+        names = self._names.get(id(stack[0]), {})
+        path = names.get(id(stack[-1]), type(stack[-1]).__name__)
+        numbers = [int(part) for part in path.split(".") if part.isdigit()]
+        return path, numbers[0] if numbers else None
+
+    # -- the wrappers --
+
+    def _sdpa(self, original: Callable) -> Callable:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+        @functools.wraps(original)
+        def sdpa(*args, **kwargs):
+            bound = dict(zip(names, args)) | kwargs
+            return self._call("torch.sdpa", original, args, kwargs, bound, ("query", "key", "value"))
+
+        return sdpa
+
+    def _te_forward(self, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            try:
+                bound = dict(signature.bind(module, *args, **kwargs).arguments)
+            except TypeError:
+                return original(module, *args, **kwargs)
+            bound.pop(next(iter(signature.parameters)), None)  # self
+            bound |= bound.pop("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
+            bound["module"] = _te_module_settings(module)
+            return self._call("te.DotProductAttention", original, (module, *args), kwargs, bound,
+                              ("query_layer", "key_layer", "value_layer"), te_module=module)
+
+        return forward
+
+    def _generic(self, api: str, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            try:
+                bound = dict(signature.bind(*args, **kwargs).arguments)
+            except TypeError:
+                return original(*args, **kwargs)
+            return self._call(api, original, args, kwargs, bound, ("q", "k", "v"))
+
+        return call
+
+    def _call(self, api: str, original: Callable, args: tuple, kwargs: dict, bound: dict,
+              qkv: tuple[str, str, str], te_module: Any = None) -> Any:
+        if self._stack.busy:
+            return original(*args, **kwargs)
+        self._stack.busy = True
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            self._stack.busy = False
+        try:
+            self._record(api, bound, qkv, out, te_module)
+        except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+            print(f"attn-doctor capture: call not recorded ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return out
+
+    # -- writing a call --
+
+    def _record(self, api: str, bound: dict, qkv: tuple[str, str, str], out: Any, te_module: Any) -> None:
+        rank, world = _rank()
+        path, layer = self._where()
+        with self._lock:
+            index = self.calls
+            self.calls += 1
+            ordinal = self._ordinal
+            self._ordinal += 1
+        layer = layer if layer is not None else ordinal
+        step = max(self._step, 0)
+        storages: dict[int, int] = {}
+        output = out[0] if isinstance(out, (tuple, list)) else out
+        tensors = {name: tensor_meta(bound[key], storages) for name, key in zip(("q", "k", "v"), qkv)
+                   if isinstance(bound.get(key), torch.Tensor)}
+        if isinstance(output, torch.Tensor):
+            tensors["out"] = tensor_meta(output, storages)
+        arguments = {k: describe_value(v, storages) for k, v in bound.items() if k not in qkv}
+        meta = {"api": api, "index": index, "process": self._process, "rank": rank, "world_size": world,
+                "parallel": _parallel_sizes(),
+                "module": path, "layer": layer, "step": step, "tensors": tensors, "arguments": arguments,
+                "values": None}
+        if te_module is not None:
+            meta["te"] = _te_choice()
+        if self.selection.wants(layer, step, rank):
+            meta["values"] = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound,
+                                               qkv, output)
+        with self._lock:
+            if self._log is None:  # the first call: the rank is known now (torchrun sets it up after start)
+                _write_env(store.rank_dir(self.root, rank) / "env.json")
+                self._log = store.CallLog(self.root, rank, os.getpid())
+            self._log.append(meta)
+
+    def _save_values(self, stem: Path, bound: dict, qkv: tuple[str, str, str], output: Any) -> str:
+        values = {name: bound[key] for name, key in zip(("q", "k", "v"), qkv)
+                  if isinstance(bound.get(key), torch.Tensor)}
+        if isinstance(output, torch.Tensor):
+            values["out"] = output
+        for name, value in bound.items():  # masks and biases (integer tensors are in the metadata already)
+            if name not in qkv and isinstance(value, torch.Tensor) and (
+                    value.is_floating_point() or value.dtype == torch.bool):
+                values[f"arg.{name}"] = value
+        size = sum(t.numel() * t.element_size() for t in values.values())
+        grad = isinstance(output, torch.Tensor) and output.requires_grad
+        inputs = {name: values[name] for name in ("q", "k", "v") if name in values and values[name].requires_grad}
+        needed = size + (output.numel() * output.element_size() if grad else 0) + sum(
+            t.numel() * t.element_size() for t in inputs.values())
+        with self._lock:
+            if self.value_bytes + needed > self.selection.max_bytes:
+                return f"skipped: over the budget of {self.selection.max_bytes} bytes (--max-bytes)"
+            self.value_bytes += needed
+        store.save_values(stem.with_suffix(".safetensors"), values)
+        if grad:
+            dout_path = stem.with_name(stem.name + ".dout.safetensors")
+
+            def save_gradient(gradient: torch.Tensor) -> None:  # returns nothing: the gradient is unchanged
+                store.save_values(dout_path, {"dout": gradient})
+
+            output.register_hook(save_gradient)
+        for name, tensor in inputs.items():  # dQ, dK, dV as the backward computed them (compare needs them)
+            path = stem.with_name(f"{stem.name}.d{name}.safetensors")
+
+            def save_input_gradient(gradient: torch.Tensor, path: Path = path, name: str = name) -> None:
+                store.save_values(path, {f"d{name}": gradient})
+
+            tensor.register_hook(save_input_gradient)
+        return stem.name + ".safetensors"
+
+
+def _te_module_settings(module: Any) -> dict[str, Any]:
+    """The DotProductAttention constructor settings a call depends on (read from the module)."""
+    names = ("qkv_format", "attn_mask_type", "window_size", "softmax_type", "num_attention_heads",
+             "num_gqa_groups", "hidden_size_per_attention_head_k", "hidden_size_per_attention_head_v",
+             "hidden_size_per_attention_head", "softmax_scale", "attention_type", "tp_size", "deterministic",
+             "layer_number", "cp_comm_type")
+    settings = {name: describe_value(getattr(module, name), {}) for name in names if hasattr(module, name)}
+    dropout = getattr(module, "attention_dropout", None)
+    settings["attention_dropout"] = getattr(dropout, "p", dropout) if not isinstance(dropout, (int, float)) else dropout
+    group = getattr(module, "cp_group", None)
+    with contextlib.suppress(Exception):
+        settings["cp_size"] = torch.distributed.get_world_size(group) if group is not None else 1
+    fp8 = (sys.modules.get("transformer_engine.pytorch.fp8")
+           or sys.modules.get("transformer_engine.pytorch.quantization"))
+    manager = getattr(fp8, "FP8GlobalStateManager", None)
+    with contextlib.suppress(Exception):
+        if manager is not None and manager.is_fp8_enabled():
+            settings["fp8_recipe"] = repr(manager.get_fp8_recipe())[:500]
+    return settings
+
+
+def _te_choice() -> dict[str, Any]:
+    """The backend TE chose for the call just made, read from TE's own selection state."""
+    try:
+        dpa = importlib.import_module(
+            "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
+        state = dpa._attention_backends
+    except Exception:  # noqa: BLE001 - an older or newer TE: the choice is unknown, not an error
+        return {"backend": "unknown (TE's selection state not readable)"}
+    if state.get("use_flash_attention"):
+        backend = "FlashAttention"
+    elif state.get("use_fused_attention"):
+        backend = f"FusedAttention (sub-backend {int(state.get('fused_attention_backend') or 0)})"
+    elif state.get("use_unfused_attention"):
+        backend = "UnfusedDotProductAttention"
+    else:
+        backend = "unknown"
+    params = state.get("attention_params")
+    return {"backend": backend, "qkv_layout": getattr(params, "qkv_layout", None),
+            "deterministic": getattr(params, "deterministic", None)}
+
+
+def _write_env(path: Path) -> None:
+    try:
+        from attn_doctor.machine.fingerprint import collect_env
+
+        store.write_json(path, collect_env(probe_te=False).to_dict())
+    except Exception as exc:  # noqa: BLE001 - the fingerprint never stops a capture
+        store.write_json(path, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+@contextlib.contextmanager
+def capture(directory: str | os.PathLike, *, values: bool = False, layers=None, steps=None, ranks=None,
+            max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[Recorder]:
+    """Record every attention call made inside the `with` block into `directory` (see the module docstring);
+    `values=True` records the tensors of the selected `layers`, `steps` and `ranks` within `max_bytes`."""
+    selection = Selection(values=values, max_bytes=max_bytes,
+                          **{name: frozenset(chosen) if chosen is not None else None
+                             for name, chosen in (("layers", layers), ("steps", steps), ("ranks", ranks))})
+    recorder = Recorder(Path(directory), selection).start()
+    try:
+        yield recorder
+    finally:
+        recorder.stop()
+
+
+def start_from_environment() -> Recorder | None:
+    """What a child process of `attn-doctor capture` runs at start-up (its sitecustomize)."""
+    options = os.environ.get(ENV_OPTIONS)
+    if not options:
+        return None
+    document = json.loads(options)
+    recorder = Recorder(Path(document["out"]), Selection.from_dict(document)).start()
+    import atexit
+
+    atexit.register(recorder.stop)
+    return recorder
+
+
+__all__ = ["Recorder", "Selection", "capture", "describe_parallel", "start_from_environment"]

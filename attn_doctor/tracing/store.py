@@ -1,0 +1,154 @@
+"""A capture folder on disk: what `attn-doctor capture` writes (and what replay and compare are to read).
+
+    DIR/capture.json                          what was asked (selection, budget) and when
+    DIR/rank<R>/env.json                      the environment fingerprint of rank R's process
+    DIR/rank<R>/calls-<PID>.jsonl             one line per attention call of process PID: its metadata
+    DIR/rank<R>/<PID>-call-<NNNNNN>.safetensors        its q, k, v, out (and masks) values, when selected
+    DIR/rank<R>/<PID>-call-<NNNNNN>.dout.safetensors   its output gradient, once the backward reached it
+    DIR/rank<R>/<PID>-call-<NNNNNN>.d{q,k,v}.safetensors  its input gradients, likewise
+
+Each call is written whole or not at all: its values first (a temp file, then a rename), then its line, appended
+and flushed (a line costs microseconds: a file per call cost a millisecond, most of it creating the file). A
+killed run leaves every call whose line was flushed; a line it cut off mid-write is ignored on reading, like a
+sweep's results.jsonl. Values are safetensors and metadata JSON: loading someone else's capture never runs code
+(no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attn_doctor.core.errors import BadInput
+
+FORMAT = "attn-doctor/capture"
+FORMAT_VERSION = 1
+HEADER = "capture.json"
+
+
+def rank_dir(root: Path, rank: int) -> Path:
+    return Path(root) / f"rank{rank}"
+
+
+def values_stem(root: Path, rank: int, pid: int, index: int) -> Path:
+    return rank_dir(root, rank) / f"{pid}-call-{index:06d}"
+
+
+def write_json(path: Path, document: dict) -> None:
+    """Whole or not at all: a temp file beside it, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class CallLog:
+    """One process's calls-<PID>.jsonl: a line per call, appended and flushed."""
+
+    def __init__(self, root: Path, rank: int, pid: int):
+        path = rank_dir(root, rank) / f"calls-{pid}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's lifetime
+
+    def append(self, meta: dict) -> None:
+        self._handle.write(json.dumps(meta, separators=(",", ":")) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def save_values(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """The tensors' values (as their views show them, contiguous, on the CPU) in one safetensors file, written
+    atomically; returns its size in bytes."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path.stat().st_size
+
+
+def load_values(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """One recorded attention call: its metadata (`meta`, as written) and where its values are."""
+
+    folder: Path  # its rank's folder
+    meta: dict[str, Any]
+
+    @property
+    def rank(self) -> int:
+        return int(self.meta["rank"])
+
+    @property
+    def index(self) -> int:
+        return int(self.meta["index"])
+
+    def _file(self, suffix: str) -> Path | None:
+        path = self.folder / f"{self.meta['process']['pid']}-call-{self.index:06d}{suffix}"
+        return path if path.exists() else None
+
+    @property
+    def values_path(self) -> Path | None:
+        return self._file(".safetensors") if (self.meta.get("values") or "").endswith(".safetensors") else None
+
+    @property
+    def dout_path(self) -> Path | None:
+        return self._file(".dout.safetensors")
+
+    def gradient(self, name: str) -> torch.Tensor | None:
+        """dq, dk or dv as the captured run's backward computed it, when recorded."""
+        path = self._file(f".{name}.safetensors")
+        return load_values(path)[name] if path is not None else None
+
+    def signature(self) -> str:
+        """What makes two calls the same question: the API, its arguments and every tensor's geometry and
+        dtype (not the values, the module path, the step or the rank)."""
+        tensors = {name: {k: v for k, v in t.items() if k != "device"} for name, t in self.meta["tensors"].items()}
+        return json.dumps([self.meta["api"], self.meta["arguments"], tensors], sort_keys=True)
+
+
+def read_capture(root: Path) -> list[CapturedCall]:
+    """Every call of a capture folder, by rank, process start and call index. Bad input when the folder is
+    not a capture; a last line cut off mid-write (a killed run) is left out."""
+    root = Path(root)
+    header = root / HEADER
+    if not header.is_file():
+        raise BadInput(f"{root} is not an attn-doctor capture (no {HEADER}); make one with "
+                       "`attn-doctor capture --out DIR -- <command>`")
+    try:
+        document = json.loads(header.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{header} is unreadable ({type(exc).__name__}); capture again") from None
+    if document.get("format") != FORMAT or document.get("format_version", 0) > FORMAT_VERSION:
+        raise BadInput(f"{header} is not a capture this attn-doctor reads (format {document.get('format')!r}, "
+                       f"version {document.get('format_version')!r}); upgrade attn-doctor")
+    calls = []
+    for path in sorted(root.glob("rank*/calls-*.jsonl")):
+        lines = path.read_bytes().split(b"\n")
+        torn = lines.pop() != b""
+        for number, line in enumerate(lines, start=1):
+            try:
+                calls.append(CapturedCall(path.parent, json.loads(line)))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise BadInput(f"{path}:{number} is not a captured call; the capture is damaged") from None
+        del torn  # a torn last line is a call the run did not finish writing
+    return sorted(calls, key=lambda c: (c.rank, c.meta["process"]["started"], c.index))

@@ -1,0 +1,170 @@
+"""Capturing a model's own attention calls (issue 17, first part): what is recorded, that recording never changes
+the run, the values selection and budget, interrupted captures, flash-attn-style wrappers, the CLI and torchrun."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn_doctor
+from attn_doctor.tracing.store import load_values, read_capture
+from tests.models import tiny_gpt
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "tests" / "models" / "tiny_gpt.py"
+
+
+def test_capture_never_changes_the_numbers_of_the_run_it_observes(tmp_path):
+    plain = tiny_gpt.train(steps=2, layers=3)
+    with attn_doctor.capture(tmp_path / "cap", values=True) as recorder:  # values and dout hooks: the most
+        captured = tiny_gpt.train(steps=2, layers=3)
+    assert recorder.calls == 6
+    assert len(plain) == len(captured) and all(torch.equal(a, b) for a, b in zip(plain, captured))
+
+
+def test_every_call_is_recorded_with_its_exact_views_module_layer_and_step(tmp_path):
+    with attn_doctor.capture(tmp_path):
+        tiny_gpt.train(steps=2, layers=3)
+    calls = read_capture(tmp_path)
+    assert [(c.meta["step"], c.meta["layer"], c.meta["module"]) for c in calls] == [
+        (step, layer, f"layers.{layer}.attention") for step in (0, 1) for layer in range(3)]
+    b, s, h, d = tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.HEADS, tiny_gpt.HIDDEN // tiny_gpt.HEADS
+    tensors = calls[0].meta["tensors"]
+    for position, name in enumerate("qkv"):  # head-sliced views of one [b, s, 3, h, d] buffer, as bhsd
+        assert tensors[name]["shape"] == [b, h, s, d]
+        assert tensors[name]["stride"] == [s * 3 * h * d, d, 3 * h * d, 1]
+        assert tensors[name]["storage_offset"] == position * h * d
+        assert tensors[name]["storage"] == tensors["q"]["storage"]  # one storage, one id
+    assert tensors["q"]["storage"]["nbytes"] == b * s * 3 * h * d * 4
+    assert tensors["out"]["storage"]["id"] != tensors["q"]["storage"]["id"]
+    assert calls[0].meta["api"] == "torch.sdpa" and calls[0].meta["arguments"]["is_causal"] is True
+    assert (calls[0].meta["rank"], calls[0].meta["world_size"]) == (0, 1)
+    assert json.loads((tmp_path / "rank0" / "env.json").read_text())["python"]
+
+
+def test_values_are_recorded_for_the_selection_only_with_the_output_gradient(tmp_path):
+    with attn_doctor.capture(tmp_path, values=True, layers=[1], steps=[1]):
+        tiny_gpt.train(steps=2, layers=3)
+    calls = read_capture(tmp_path)
+    chosen = [c for c in calls if c.values_path is not None]
+    assert [(c.meta["step"], c.meta["layer"]) for c in chosen] == [(1, 1)]
+    assert all(c.meta["values"] is None for c in calls if c not in chosen)
+    values, dout = load_values(chosen[0].values_path), load_values(chosen[0].dout_path)["dout"]
+    meta = chosen[0].meta["tensors"]
+    assert all(list(values[n].shape) == meta[n]["shape"] for n in ("q", "k", "v", "out"))
+    assert torch.equal(F.scaled_dot_product_attention(values["q"], values["k"], values["v"], is_causal=True),
+                       values["out"])  # the values are the call's own
+    assert dout.shape == values["out"].shape and dout.abs().sum() > 0
+
+
+def test_values_over_the_budget_keep_their_metadata_and_say_why(tmp_path):
+    with attn_doctor.capture(tmp_path, values=True, max_bytes=70_000):
+        tiny_gpt.train(steps=1, layers=3)
+    calls = read_capture(tmp_path)
+    assert calls[0].values_path is not None
+    assert all(c.values_path is None and "--max-bytes" in c.meta["values"] for c in calls[1:])
+
+
+def test_a_killed_run_leaves_a_readable_capture_of_the_calls_that_finished(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import attn_doctor
+        from tests.models import tiny_gpt
+        with attn_doctor.capture({str(tmp_path)!r}, values=True):
+            model = tiny_gpt.TinyGPT(layers=3)
+            tokens = __import__("torch").zeros(2, 8, dtype=__import__("torch").long)
+            model.layers[0](model.embed[tokens])
+            model.layers[1](model.embed[tokens])
+            os._exit(3)  # killed: no clean-up runs
+    """)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 3
+    calls = read_capture(tmp_path)
+    assert [c.index for c in calls] == [0, 1] and all(load_values(c.values_path) for c in calls)
+    (log,) = (tmp_path / "rank0").glob("calls-*.jsonl")
+    with open(log, "ab") as handle:  # a line cut off mid-write
+        handle.write(b'{"api": "torch.sd')
+    assert [c.index for c in read_capture(tmp_path)] == [0, 1]
+
+
+def test_a_library_wrapper_is_recorded_once_whether_imported_before_or_after_the_capture(tmp_path, monkeypatch):
+    package = tmp_path / "pkgs" / "flash_attn"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent("""
+        import torch.nn.functional as F
+
+        def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=causal, scale=softmax_scale)
+            return out.transpose(1, 2)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    q = torch.randn(1, 8, 2, 4)
+    for when in ("after", "before"):
+        if when == "before":
+            import flash_attn  # noqa: F401 - imported before the capture starts
+        with attn_doctor.capture(tmp_path / when):
+            import flash_attn
+
+            flash_attn.flash_attn_func(q, q, q, causal=True)
+        (call,) = read_capture(tmp_path / when)
+        assert call.meta["api"] == "flash_attn.flash_attn_func" and call.meta["arguments"]["causal"] is True
+        monkeypatch.delitem(sys.modules, "flash_attn")
+    assert not hasattr(flash_attn.flash_attn_func, "_attn_doctor_original")  # unwrapped after the block
+
+
+def test_cli_captures_a_script_unchanged(run_cli, tmp_path):
+    result = run_cli(["capture", "--out", tmp_path / "cap", "--values", "--layers", "0", "--", sys.executable,
+                      MODEL, "--steps", "1", "--layers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "2 attention calls recorded" in result.output and "1 with values" in result.output
+    assert len(read_capture(tmp_path / "cap")) == 2
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "no command"),
+    (["--", "no-such-program-xyz"], "not a program"),
+    (["--layers", "0", "--", sys.executable, "-c", "pass"], "add --values"),
+    (["--values", "--max-bytes", "lots", "--", sys.executable, "-c", "pass"], "--max-bytes"),
+    (["--", sys.executable, "-c", "print('no attention here')"], "made no attention call"),
+])
+def test_cli_refuses_what_it_cannot_capture(run_cli, tmp_path, args, says):
+    result = run_cli(["capture", "--out", tmp_path / "cap", *args])
+    assert result.exit_code == 2 and says in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_a_failing_command_exits_1_and_keeps_what_it_recorded(run_cli, tmp_path):
+    script = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.models import tiny_gpt; " \
+             "tiny_gpt.train(steps=1, layers=2); sys.exit(5)"
+    result = run_cli(["capture", "--out", tmp_path / "cap", "--", sys.executable, "-c", script])
+    assert result.exit_code == 1 and "exited with 5" in result.stderr and "2 attention calls" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+                    reason="torchrun not installed")
+def test_cli_captures_every_rank_of_a_torchrun_job_with_its_parallel_layout(run_cli, tmp_path):
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    result = run_cli(["capture", "--out", tmp_path / "cap", "--values", "--ranks", "1", "--", torchrun,
+                      "--nproc-per-node", "2", MODEL, "--tp", "2", "--steps", "1", "--layers", "2"])
+    assert result.exit_code == 0, result.output
+    calls = read_capture(tmp_path / "cap")
+    assert sorted((c.rank, c.meta["layer"]) for c in calls) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(c.meta["parallel"] == {"tp": 2, "tp_rank": c.rank} and c.meta["world_size"] == 2 for c in calls)
+    assert all((c.values_path is not None) == (c.rank == 1) for c in calls)
+    assert all(c.meta["tensors"]["q"]["shape"][1] == tiny_gpt.HEADS // 2 for c in calls)  # this rank's heads
+
+
+def test_capture_folder_that_is_not_one_is_bad_input(tmp_path):
+    from attn_doctor.core.errors import BadInput
+
+    with pytest.raises(BadInput, match="not an attn-doctor capture"):
+        read_capture(tmp_path)

@@ -1,0 +1,153 @@
+"""Replaying captured calls (issue 17, second part): the exact views and values come back, every path is judged
+on them, identical calls are checked once, a faulty --kernel is named, and the rows feed report and bisect."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attn_doctor
+from attn_doctor.core.layouts import CAPTURED
+from attn_doctor.numerics.inputs import make_inputs
+from attn_doctor.tracing.replay import captured_views, case_of, view_geometry
+from attn_doctor.tracing.store import load_values, read_capture
+from tests.models import tiny_gpt
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTY = f"{ROOT / 'tests' / 'models' / 'tiny_gpt.py'}:faulty_kernel"
+
+
+@pytest.fixture(scope="module")
+def capture_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("capture")
+    with attn_doctor.capture(root, values=True, layers=[1], steps=[1]):
+        tiny_gpt.train(steps=2, layers=3)
+    return root
+
+
+def _with_values(root: Path):
+    (call,) = [c for c in read_capture(root) if c.values_path is not None]
+    return call
+
+
+def test_the_captured_views_come_back_with_the_same_shapes_strides_offsets_and_storage(capture_dir):
+    call = _with_values(capture_dir)
+    case = case_of(call, capture_dir)
+    x = make_inputs(case, torch.device("cpu"))
+    qkv = captured_views(case, x.q, x.k, x.v, "bshd")
+    for name, view in zip("qkv", (qkv.q, qkv.k, qkv.v)):
+        captured = call.meta["tensors"][name]
+        geometry = view_geometry(view.transpose(1, 2))  # what SDPA's transpose hands the kernel
+        assert geometry == {"shape": captured["shape"], "stride": captured["stride"],
+                            "storage_offset": captured["storage_offset"],
+                            "storage_nbytes": captured["storage"]["nbytes"]}
+    assert len(qkv.leaves) == 1  # q, k, v share one storage, as they did
+    values = load_values(call.values_path)
+    assert torch.equal(qkv.q.transpose(1, 2), values["q"]) and torch.equal(x.q.transpose(1, 2), values["q"])
+    assert torch.equal(x.dout.transpose(1, 2), load_values(call.dout_path)["dout"])
+
+
+def test_replay_judges_each_distinct_call_once_and_every_path_passes(run_cli, capture_dir, tmp_path):
+    result = run_cli(["replay", capture_dir, "--backend", "sdpa", "--device", "cpu", "--out", tmp_path / "r"])
+    assert result.exit_code == 0, result.output
+    assert "6 calls, 1 distinct" in result.output and "6 calls: torch.sdpa" in result.output
+    assert "captured values" in result.output
+    rows = json.loads((tmp_path / "r" / "results.json").read_text())["results"]
+    layouts = {(r["backend"], r["layout"]) for r in rows if r["verdict"] == "PASS"}
+    assert {("sdpa.math", CAPTURED), ("sdpa.math", "contiguous"), ("local", "contiguous")} <= layouts
+    report = run_cli(["report", tmp_path / "r", "--format", "markdown"])
+    assert report.exit_code == 0 and "call 0." in report.output  # the replayed call, named in the case
+
+
+def test_replay_with_a_faulty_kernel_names_it_and_bisect_starts_from_its_row(run_cli, capture_dir, tmp_path):
+    result = run_cli(["replay", capture_dir, "--kernel", f"faulty={FAULTY}", "--device", "cpu", "--layer", "1",
+                      "--out", tmp_path / "r"])
+    assert result.exit_code == 1, result.output
+    assert "Faulty: faulty" in result.output and "captured, contiguous" in result.output
+    bisected = run_cli(["bisect", "--from", tmp_path / "r", "--device", "cpu", "--json", tmp_path / "b.json"])
+    assert bisected.exit_code == 0, bisected.output
+    found = json.loads((tmp_path / "b.json").read_text())
+    assert "replay" not in found["minimal_case"]  # seeded inputs of its shapes fail too: the capture is not needed
+
+
+def test_run_replay_checks_one_call_and_refuses_other_shapes(run_cli, capture_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # run writes its results under ./reports
+    call = _with_values(capture_dir)
+    reference = case_of(call, capture_dir).replay
+    result = run_cli(["run", "--replay", reference, "--backend", "sdpa.math", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "captured" in result.output
+    refused = run_cli(["run", "--replay", reference, "--batch", "1", "--device", "cpu"])
+    assert refused.exit_code == 2 and "captured shapes" in refused.stderr
+    missing = run_cli(["run", "--replay", f"{capture_dir}@0.1.999", "--device", "cpu"])
+    assert missing.exit_code == 2 and "names no call" in missing.stderr
+
+
+def test_calls_that_cannot_be_replayed_say_why(run_cli, tmp_path):
+    q = torch.randn(1, 2, 8, 4)
+    with attn_doctor.capture(tmp_path / "cap"):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.3)
+    result = run_cli(["replay", tmp_path / "cap", "--device", "cpu"])
+    assert result.exit_code == 2 and "can be replayed yet" in result.stderr
+    assert "an explicit attn_mask" in result.output and "softmax scale 0.3" in result.output
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo")
+def test_a_tp2_capture_replays_each_ranks_shards(run_cli, tmp_path):
+    import shutil
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    captured = run_cli(["capture", "--out", tmp_path / "cap", "--values", "--", torchrun, "--nproc-per-node", "2",
+                        ROOT / "tests" / "models" / "tiny_gpt.py", "--tp", "2", "--steps", "1", "--layers", "2"])
+    assert captured.exit_code == 0, captured.output
+    result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out", tmp_path / "r"])
+    assert result.exit_code == 0, result.output
+    assert "4 calls, 1 distinct" in result.output and "ranks 0-1" in result.output
+    assert f"h{tiny_gpt.HEADS // 2} " in result.output  # each rank's heads
+
+
+class _TEStandIn(torch.nn.Module):
+    """TE's DotProductAttention as far as a capture sees it: its constructor's attributes, its forward's
+    signature; computed with SDPA on sbhd tensors."""
+
+    def __init__(self, num_attention_heads, kv_channels, qkv_format="sbhd", attn_mask_type="causal",
+                 window_size=None, attention_dropout=0.0):
+        super().__init__()
+        self.num_attention_heads, self.num_gqa_groups = num_attention_heads, num_attention_heads
+        self.qkv_format, self.attn_mask_type, self.window_size = qkv_format, attn_mask_type, window_size
+        self.attention_dropout, self.softmax_type, self.attention_type = attention_dropout, "vanilla", "self"
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
+                cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None,
+                window_size=None, core_attention_bias_type="no_bias", core_attention_bias=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))  # sbhd -> bhsd
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.attn_mask_type == "causal")
+        return out.permute(2, 0, 1, 3).reshape(query_layer.shape[0], query_layer.shape[1], -1)
+
+
+def test_a_te_call_is_recorded_with_its_module_settings_and_replays_as_its_case(run_cli, tmp_path, monkeypatch):
+    import types
+
+    fake = types.ModuleType("transformer_engine.pytorch")
+    fake.DotProductAttention = _TEStandIn
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake)
+    monkeypatch.chdir(tmp_path)  # run writes its results under ./reports
+    module = _TEStandIn(4, 8, qkv_format="sbhd", attn_mask_type="causal")
+    qkv = torch.randn(16, 2, 3, 4, 8, requires_grad=True)  # [s, b, 3, h, d]: Megatron's packed sbhd
+    with attn_doctor.capture(tmp_path / "cap", values=True):
+        out = fake.DotProductAttention.forward(module, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        out.sum().backward()
+    (call,) = read_capture(tmp_path / "cap")
+    assert call.meta["api"] == "te.DotProductAttention" and call.meta["te"]["backend"].startswith("unknown")
+    assert call.meta["arguments"]["module"]["qkv_format"] == "sbhd"
+    assert call.meta["tensors"]["q"]["stride"] == [2 * 3 * 4 * 8, 3 * 4 * 8, 8, 1]
+    case = case_of(call, tmp_path / "cap")
+    assert case.short().startswith("b2 s16 h4 d8 fp32 causal")
+    result = run_cli(["run", "--replay", case.replay, "--backend", "sdpa.math", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "captured views are sbhd" in result.output  # SDPA takes bshd: its captured row is a SKIP that says so
