@@ -70,3 +70,39 @@ def test_captures_without_common_values_are_bad_input(run_cli, captures, tmp_pat
         tiny_gpt.train(steps=1, layers=1)
     result = run_cli(["compare", captures["tp1"], tmp_path / "meta-only"])
     assert result.exit_code == 2 and "--values" in result.stderr
+
+
+def test_a_shard_of_a_one_process_tp_simulation_is_named_by_its_tp_rank(tmp_path, monkeypatch):
+    import torch
+    import torch.nn.functional as F
+
+    from attn_doctor.tracing import record
+
+    monkeypatch.setattr(record, "_parallel", {})  # describe_parallel's state, restored after the test
+    q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
+
+    class Layer(torch.nn.Module):  # both TP shards in this process, as te_model.py's simulation runs them
+        def __init__(self, faulty: bool):
+            super().__init__()
+            self.faulty = faulty
+
+        def forward(self, q, k, v):
+            for tp_rank in (0, 1):
+                attn_doctor.describe_parallel(tp=2, tp_rank=tp_rank)
+                shard = [t[:, 2 * tp_rank:2 * tp_rank + 2].clone().requires_grad_() for t in (q, k, v)]
+                attend = tiny_gpt.faulty_attention if self.faulty and tp_rank == 1 else F.scaled_dot_product_attention
+                attend(*shard).sum().backward()
+
+    class Model(torch.nn.Module):
+        def __init__(self, faulty: bool):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(faulty)])
+
+        def forward(self, q, k, v):
+            self.layers[0](q, k, v)
+
+    for name, faulty in (("a", False), ("b", True)):
+        with attn_doctor.capture(tmp_path / name, values=True):
+            Model(faulty)(q, k, v)
+    answer = compare_captures(tmp_path / "a", tmp_path / "b").answer()
+    assert answer.startswith("differs from layer 0") and answer.endswith("on rank 0 (tp_rank 1)"), answer

@@ -4,6 +4,8 @@ on them, identical calls are checked once, a faulty --kernel is named, and the r
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -94,7 +96,29 @@ def test_calls_that_cannot_be_replayed_say_why(run_cli, tmp_path):
         torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.3)
     result = run_cli(["replay", tmp_path / "cap", "--device", "cpu"])
     assert result.exit_code == 2 and "can be replayed yet" in result.stderr
-    assert "an explicit attn_mask" in result.output and "softmax scale 0.3" in result.output
+    assert "an attn_mask whose values were not captured (capture with --values)" in result.output
+    assert "softmax scale 0.3" in result.output
+
+
+def test_sdpa_boolean_masks_replay_as_the_captured_mask_float_and_per_head_ones_say_why(run_cli, tmp_path):
+    q, k, v = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([12, 7])
+    keys = torch.arange(12)[None, :] < lengths[:, None]  # key padding, HF style: [b, 1, 1, s_kv]
+    left = (torch.arange(12)[None, :] >= 12 - lengths[:, None])  # left padding under a causal mask: [b, 1, s, s]
+    causal_left = torch.tril(torch.ones(12, 12, dtype=torch.bool)) & left[:, None, :] & left[:, :, None]
+    with attn_doctor.capture(tmp_path / "cap", values=True):
+        for mask in (keys[:, None, None, :], causal_left[:, None]):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(12, 12))
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 4, 12, 12, dtype=torch.bool))
+    result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out", tmp_path / "r"])
+    assert result.exit_code == 0, result.output
+    assert "a float attn_mask" in result.output and "a per-head attn_mask" in result.output
+    rows = json.loads((tmp_path / "r" / "results.json").read_text())["results"]
+    judged = [r for r in rows if r["verdict"] == "PASS"]
+    assert {r["case"]["mask_source"] for r in judged} == {"captured"} and len({r["case"]["replay"] for r in judged}) == 2
+    assert any(r["tensors"]["out"].get("empty_rows") for r in judged)  # left padding: rows that see no key
+
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo")
@@ -151,3 +175,18 @@ def test_a_te_call_is_recorded_with_its_module_settings_and_replays_as_its_case(
     result = run_cli(["run", "--replay", case.replay, "--backend", "sdpa.math", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "captured views are sbhd" in result.output  # SDPA takes bshd: its captured row is a SKIP that says so
+
+
+def test_a_repro_that_still_needs_its_capture_reruns_attn_doctor_on_it(capture_dir, tmp_path):
+    from attn_doctor.backends import select
+    from attn_doctor.bisect.repro import write_repro
+    from attn_doctor.core.coords import Coords
+
+    case = case_of(_with_values(capture_dir), capture_dir)
+    for spec, expected in ((select(["sdpa.math"])[0], 0), (select([], [f"faulty={FAULTY}"])[0], 1)):
+        path = write_repro(tmp_path / spec.name, Coords.call(case, spec, CAPTURED), None, "test", "attn-doctor replay")
+        text = path.read_text()
+        assert "--replay" in text and str(capture_dir.resolve()) in text
+        done = subprocess.run([sys.executable, path], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == expected, done.stdout + done.stderr

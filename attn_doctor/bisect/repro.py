@@ -515,6 +515,8 @@ def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version:
 
     if coords.layers:
         raise ValueError("a depth failure is reproduced by attn-doctor sweep; the standalone repro covers one call")
+    if coords.case.replay is not None:
+        return _write_replay_repro(directory, coords, version, command)
     backend = coords.backend.name
     case = coords.case.to_dict()
     dtype = coords.case.dtype
@@ -525,6 +527,39 @@ def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version:
                          score_precision=SCORE_PRECISION[dtype], empty_row_eps=EMPTY_ROW_EPS)
     text += INPUTS + repro_source(coords.backend) + MAIN
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in backend)
+    path = Path(directory) / f"repro_{safe}_{short_id(coords)}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+REPLAY_REPRO = '''"""attn-doctor {version}: {title}.
+
+This fault needs the values and views of a captured call, so this repro re-runs attn-doctor on the capture
+rather than drawing inputs of its own: it needs attn-doctor installed and the capture folder
+{capture} (attach it to a bug report along with this file). Exit 1 while the path is wrong, 0 once fixed.
+
+Found by: {command}
+"""
+
+import subprocess
+import sys
+
+sys.exit(subprocess.call([sys.executable, "-m", "attn_doctor", *{arguments!r}]))
+'''
+
+
+def _write_replay_repro(directory: Path, coords: Coords, version: str, command: str) -> Path:
+    """The repro of a failing probe that still needs its captured call: `attn-doctor run --replay ...`."""
+    import shlex
+
+    from attn_doctor.backends import selector
+
+    arguments = shlex.split(coords.repro_command(selector(coords.backend)))[1:]
+    text = REPLAY_REPRO.format(version=version, title=f"{coords.backend.name} on {coords.describe()}",
+                               capture=coords.case.replay.rpartition("@")[0], command=command.replace('"', "'"),
+                               arguments=arguments)
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in coords.backend.name)
     path = Path(directory) / f"repro_{safe}_{short_id(coords)}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

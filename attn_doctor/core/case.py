@@ -386,6 +386,10 @@ def _check_mask_source(case: Case) -> None:
         if case.mask_source is not None:
             raise BadInput("--mask-source gives the explicit mask of --mask arbitrary; drop it or use that mask")
         return
+    if case.mask_source == "captured":  # a replayed SDPA call's own attn_mask (attn_doctor.tracing.replay)
+        if case.replay is None:
+            raise BadInput("--mask-source captured is a replayed call's own mask: use attn-doctor replay")
+        return
     if case.mask_source is None:
         raise BadInput("--mask arbitrary needs the mask: add --mask-source random:P (each (query, key) pair masked "
                        f"out with probability P, e.g. random:{DEFAULT_MASKED_FRACTION})")

@@ -117,7 +117,8 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
 def make_semantics(case: Case, device: torch.device) -> Semantics:
     """The case's explicit mask, bias and sink logits (`attn_doctor.numerics.masks`), seeded:
 
-    - arbitrary mask "random:P": each (query, key) pair of each sequence hidden with probability P;
+    - arbitrary mask "random:P": each (query, key) pair of each sequence hidden with probability P; "captured":
+      a replayed call's own mask;
     - post_scale_bias: standard normal in the inputs' dtype (TE takes the bias in the inputs' dtype);
     - alibi: TE's default slopes;
     - off-by-one: sink logits 0; learnable: standard normal sink logits per head, float32 (TE's parameter)."""
@@ -125,7 +126,11 @@ def make_semantics(case: Case, device: torch.device) -> Semantics:
     if case.mask != "arbitrary" and case.bias == "no_bias" and case.softmax == "vanilla":
         return semantics
     generator = torch.Generator(device=device).manual_seed(case.seed + SIDE_SEED_OFFSET)
-    if case.mask == "arbitrary":
+    if case.mask == "arbitrary" and case.mask_source == "captured":
+        from attn_doctor.tracing.replay import captured_mask
+
+        semantics.allowed = captured_mask(case, device)
+    elif case.mask == "arbitrary":
         draws = torch.rand(case.batch, 1, case.seq, case.seq_k, generator=generator, device=device)
         semantics.allowed = draws >= case.masked_fraction
     if case.bias == "alibi":

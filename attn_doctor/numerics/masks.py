@@ -205,9 +205,10 @@ def describe(case: Case) -> list[str]:
     given to TE, the ALiBi slopes, the sink, the lengths."""
     lines = ["dropout 0: attn-doctor compares deterministic functions"]
     if case.mask == "arbitrary":
-        lines.append(f"explicit mask: each (query, key) pair hidden with probability {case.masked_fraction:g} "
-                     "(seeded); given to TE as attention_mask with True = masked out, to SDPA and --kernel as "
-                     "True = visible")
+        source = ("the captured call's own attn_mask" if case.mask_source == "captured" else
+                  f"each (query, key) pair hidden with probability {case.masked_fraction:g} (seeded)")
+        lines.append(f"explicit mask: {source}; given to TE as attention_mask with True = masked out, to SDPA and "
+                     "--kernel as True = visible")
     if case.window is not None and case.mask not in TOP_LEFT_MASKS:
         lines.append(f"window {case.window[0]},{case.window[1]} aligned to each sequence's bottom-right corner "
                      "(TE's bottom_right_diagonal for this mask type)")

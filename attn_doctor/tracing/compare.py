@@ -42,7 +42,7 @@ class Measured:
     d: float
     e_in: float
     e: tuple[float, float]  # (run A, run B)
-    shard_e: tuple[list[tuple[int, float]], list[tuple[int, float]]]  # per run: (rank, error) per shard
+    shard_e: tuple[list[tuple[str, float]], list[tuple[str, float]]]  # per run: (rank, error) per shard
     floor: float
 
     @property
@@ -93,7 +93,7 @@ class Comparison:
         layer, m = found
         run = m.faulty_run
         ranks = [rank for rank, e in m.shard_e[run] if e > FACTOR * max(m.e[1 - run], m.floor)]
-        api = layer.rank_apis[run].get(ranks[0], layer.apis[run]) if ranks else layer.apis[run]
+        api = layer.rank_apis[run].get(int(ranks[0].split()[0]), layer.apis[run]) if ranks else layer.apis[run]
         return (f"differs from layer {layer.layer} (step {layer.step}) on: {api}, {m.tensor} "
                 f"(runs {m.d:.2g} apart); {self.labels[run]} is the one far from float64 "
                 f"(its error {m.e[run]:.2g} against {m.e[1 - run]:.2g}) on rank{'s' * (len(ranks) > 1)} "
@@ -111,7 +111,7 @@ class _Run:
     api: str
     got: dict[str, torch.Tensor]
     exact: dict[str, torch.Tensor]
-    shard_e: dict[str, list[tuple[int, float]]]
+    shard_e: dict[str, list[tuple[str, float]]]
     eps: float
 
 
@@ -145,8 +145,16 @@ def _run_of(calls: list[CapturedCall], root: Path) -> _Run:
     names = [n for n in TENSORS if all(n in got for got, _, _ in shards)]
     got = {n: torch.cat([g[n] for g, _, _ in shards], dim=2) for n in names}  # heads: bshd dim 2
     exact = {n: torch.cat([x[n] for _, x, _ in shards], dim=2) for n in names}
-    shard_e = {n: [(c.rank, _relative(g[n], x[n])) for c, (g, x, _) in zip(calls, shards)] for n in names}
+    shard_e = {n: [(_shard_label(c, calls), _relative(g[n], x[n])) for c, (g, x, _) in zip(calls, shards)]
+               for n in names}
     return _Run(calls[0].meta["api"], got, exact, shard_e, shards[0][2])
+
+
+def _shard_label(call: CapturedCall, calls: list[CapturedCall]) -> str:
+    """The rank that ran a shard; with its TP rank when one process ran several shards (a TP simulation)."""
+    if sum(c.rank == call.rank for c in calls) == 1:
+        return str(call.rank)
+    return f"{call.rank} (tp_rank {call.meta.get('parallel', {}).get('tp_rank', '?')})"
 
 
 def _values_by_layer(root: Path) -> dict[tuple[int, int], list[CapturedCall]]:

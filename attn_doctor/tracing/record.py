@@ -399,6 +399,10 @@ def _te_module_settings(module: Any) -> dict[str, Any]:
              "hidden_size_per_attention_head", "softmax_scale", "attention_type", "tp_size", "deterministic",
              "layer_number", "cp_comm_type")
     settings = {name: describe_value(getattr(module, name), {}) for name in names if hasattr(module, name)}
+    if "softmax_scale" not in settings:  # TE keeps the scale on its backends (fused_attention, ...), not itself
+        inner = getattr(getattr(module, "fused_attention", None), "softmax_scale", None)
+        if isinstance(inner, (int, float)):
+            settings["softmax_scale"] = inner
     dropout = getattr(module, "attention_dropout", None)
     settings["attention_dropout"] = getattr(dropout, "p", dropout) if not isinstance(dropout, (int, float)) else dropout
     group = getattr(module, "cp_group", None)

@@ -4,8 +4,9 @@ otherwise) and, on the `captured` layout, the call's exact memory: every tensor 
 shape, strides and storage offset into a storage of the captured size, q, k, v sharing one storage when they
 did. A path that takes another format than the captured call's gets the same values on the other layouts.
 
-Calls this cannot express yet are named with the reason (`case_of` returns a string): an explicit SDPA
-attn_mask, dropout, a non-default softmax scale, TE biases and FP8.
+SDPA's boolean attn_mask (the same for every head) becomes an `arbitrary` mask whose source is the captured one.
+Calls this cannot express yet are named with the reason (`case_of` returns a string): float or per-head SDPA
+masks, dropout, a non-default softmax scale, TE biases and FP8.
 """
 
 from __future__ import annotations
@@ -80,12 +81,16 @@ def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
     fmt = native_format(call)
     if meta["api"] == "torch.sdpa":
         if args.get("attn_mask") is not None:
-            return "an explicit attn_mask (not replayed yet)"
+            reason = _mask_unsupported(call)
+            if reason:
+                return reason
+            fields.update(mask_source="captured")
         if args.get("dropout_p"):
             return f"dropout {args['dropout_p']} (attn-doctor compares deterministic calls)"
         scale = args.get("scale")
         (b, h, s, d), (_, hkv, skv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
-        fields.update(mask="causal" if args.get("is_causal") else "no_mask", qkv_format="bshd")
+        mask = "arbitrary" if "mask_source" in fields else "causal" if args.get("is_causal") else "no_mask"
+        fields.update(mask=mask, qkv_format="bshd")
     elif meta["api"].startswith("flash_attn.") and meta["api"].endswith("flash_attn_func"):
         if args.get("dropout_p"):
             return f"dropout {args['dropout_p']} (attn-doctor compares deterministic calls)"
@@ -144,6 +149,28 @@ def case_of_reference(reference: str) -> Case:
     if isinstance(case, str):
         raise BadInput(f"--replay {reference}: this call cannot be replayed yet: {case}")
     return case
+
+
+def _mask_unsupported(call: CapturedCall) -> str | None:
+    """Why SDPA's attn_mask of this call cannot be replayed (None: it can: a boolean mask, the same for every
+    head, whose values were captured)."""
+    tensor = call.meta["arguments"]["attn_mask"].get("tensor", {})
+    if tensor.get("dtype") != "bool":
+        return "a float attn_mask (an additive bias: not replayed yet)"
+    shape = [1] * (4 - len(tensor["shape"])) + tensor["shape"]
+    if shape[1] != 1:
+        return "a per-head attn_mask (not replayed yet)"
+    if call.values_path is None:
+        return "an attn_mask whose values were not captured (capture with --values)"
+    return None
+
+
+def captured_mask(case: Case, device: torch.device) -> torch.Tensor:
+    """The call's attn_mask as attn-doctor's allowed pairs [b, 1, s, s_kv] (SDPA's True = attend)."""
+    call = load_call(case.replay)
+    mask = load_values(call.values_path)["arg.attn_mask"].to(device)
+    mask = mask.reshape([1] * (4 - mask.dim()) + list(mask.shape))
+    return mask.expand(case.batch, 1, case.seq, case.seq_k).clone()
 
 
 def _to_bshd(t: torch.Tensor, fmt: str) -> torch.Tensor:
