@@ -19,7 +19,7 @@ from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application
               help="Write every layer's numbers here.")
 @click.pass_obj
 def compare(app: Application, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:
-    """Compare two captures (e.g. TP=1 and TP=2 of the same model and seed) layer by layer: out, dQ, dK, dV of
+    """Compare two captures of one model and seed layer by layer (TP=1 against TP=2, say): out, dQ, dK, dV of
     every layer both recorded with --values, TP shards put back together. Says "same within rounding" or the
     first layer where one run's attention is far from float64, and on which rank."""
     from rich.table import Table
