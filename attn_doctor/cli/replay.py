@@ -55,8 +55,11 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     for number, members in enumerate(groups.values(), start=1):
         chosen = next((c for c in members if c.values_path is not None), members[0])
         case = case_of(chosen, capture_dir, seed)
+        tp_ranks = [c.meta.get("parallel", {}).get("tp_rank") for c in members]
         where = (f"{len(members)} call{'s' * (len(members) > 1)}: {members[0].meta['api']}, ranks "
-                 f"{_span([c.rank for c in members])}, layers {_span([c.meta['layer'] for c in members])}, steps "
+                 f"{_span([c.rank for c in members])}"
+                 + (f" (TP ranks {_span(tp_ranks)})" if None not in tp_ranks and max(tp_ranks) > 0 else "")
+                 + f", layers {_span([c.meta['layer'] for c in members])}, steps "
                  f"{_span([c.meta['step'] for c in members])}")
         if isinstance(case, str):
             refused.append(case)
