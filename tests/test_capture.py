@@ -107,19 +107,24 @@ def test_a_library_wrapper_is_recorded_once_whether_imported_before_or_after_the
             return out.transpose(1, 2)
     """))
     monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
-    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    saved = sys.modules.pop("flash_attn", None)  # this test's stand-in must not outlive it
     q = torch.randn(1, 8, 2, 4)
-    for when in ("after", "before"):
-        if when == "before":
-            import flash_attn  # noqa: F401 - imported before the capture starts
-        with attn_doctor.capture(tmp_path / when):
-            import flash_attn
+    try:
+        for when in ("after", "before"):
+            if when == "before":
+                import flash_attn  # noqa: F401 - imported before the capture starts
+            with attn_doctor.capture(tmp_path / when):
+                import flash_attn
 
-            flash_attn.flash_attn_func(q, q, q, causal=True)
-        (call,) = read_capture(tmp_path / when)
-        assert call.meta["api"] == "flash_attn.flash_attn_func" and call.meta["arguments"]["causal"] is True
-        monkeypatch.delitem(sys.modules, "flash_attn")
-    assert not hasattr(flash_attn.flash_attn_func, "_attn_doctor_original")  # unwrapped after the block
+                flash_attn.flash_attn_func(q, q, q, causal=True)
+            (call,) = read_capture(tmp_path / when)
+            assert call.meta["api"] == "flash_attn.flash_attn_func" and call.meta["arguments"]["causal"] is True
+            del sys.modules["flash_attn"]
+        assert not hasattr(flash_attn.flash_attn_func, "_attn_doctor_original")  # unwrapped after the block
+    finally:
+        sys.modules.pop("flash_attn", None)
+        if saved is not None:
+            sys.modules["flash_attn"] = saved
 
 
 def test_cli_captures_a_script_unchanged(run_cli, tmp_path):

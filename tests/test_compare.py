@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import attn_doctor
 from attn_doctor.tracing.compare import FACTOR, compare_captures
@@ -106,3 +107,81 @@ def test_a_shard_of_a_one_process_tp_simulation_is_named_by_its_tp_rank(tmp_path
             Model(faulty)(q, k, v)
     answer = compare_captures(tmp_path / "a", tmp_path / "b").answer()
     assert answer.startswith("differs from layer 0") and answer.endswith("on rank 0 (tp_rank 1)"), answer
+
+
+def _cp_captures(root: Path, faulty_cp_rank: int | None, monkeypatch) -> tuple[Path, Path]:
+    """One causal attention run whole, and split over two simulated CP ranks the load-balanced way (rank r holds
+    sequence chunks r and 3 - r, with the keys all-gathered and its rows of the causal mask)."""
+    import torch
+    import torch.nn.functional as F
+
+    from attn_doctor.tracing import record
+
+    monkeypatch.setattr(record, "_parallel", {})
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 2, 16, 8, generator=generator) for _ in range(4))
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    plain, faulty = F.scaled_dot_product_attention, {"on": False}
+
+    def kernel(*args, **kwargs):  # a kernel that is wrong on one rank's calls
+        out = plain(*args, **kwargs)
+        return out * 1.01 if faulty["on"] else out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", kernel)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, cp: int):
+            super().__init__()
+            self.cp = cp
+
+        def forward(self):
+            if self.cp == 1:
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                F.scaled_dot_product_attention(*leaves, is_causal=True).backward(dout)
+                return
+            for cp_rank in range(2):
+                attn_doctor.describe_parallel(cp=2, cp_rank=cp_rank)
+                first, second = 4 * cp_rank, 12 - 4 * cp_rank  # chunks r and 3 - r of four
+                rows = torch.cat([torch.arange(first, first + 4), torch.arange(second, second + 4)])
+                leaves = [q[:, :, rows].clone().requires_grad_(), *(t.clone().requires_grad_() for t in (k, v))]
+                faulty["on"] = cp_rank == faulty_cp_rank
+                F.scaled_dot_product_attention(*leaves, attn_mask=causal[rows][None, None]).backward(dout[:, :, rows])
+                faulty["on"] = False
+
+    class Model(torch.nn.Module):
+        def __init__(self, cp: int):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(cp)])
+
+        def forward(self):
+            self.layers[0]()
+
+    for name, cp in (("whole", 1), ("cp", 2)):
+        with attn_doctor.capture(root / name, values=True):
+            Model(cp)()
+    return root / "whole", root / "cp"
+
+
+def test_cp_chunks_are_put_back_in_sequence_order_and_match_the_whole_run(tmp_path, monkeypatch):
+    whole, cp = _cp_captures(tmp_path, None, monkeypatch)
+    comparison = compare_captures(whole, cp)
+    assert comparison.same, comparison.answer()
+    (layer,) = comparison.layers
+    assert [m.tensor for m in layer.measured] == ["out", "dq", "dk", "dv"]
+    assert all(m.d < 1e-5 and m.e_in < 1e-12 for m in layer.measured)  # the same inputs: nothing to explain
+
+
+def test_a_faulty_cp_rank_is_named(tmp_path, monkeypatch):
+    whole, cp = _cp_captures(tmp_path, 1, monkeypatch)
+    answer = compare_captures(whole, cp).answer()
+    assert answer.startswith("differs from layer 0 (step 0) on: torch.sdpa, out"), answer
+    assert answer.endswith("on rank 0 (cp_rank 1)"), answer
+
+
+def test_runs_whose_inputs_differ_from_the_start_are_not_called_the_same(tmp_path, monkeypatch):
+    whole, cp = _cp_captures(tmp_path, None, monkeypatch)
+    monkeypatch.setattr("attn_doctor.tracing.compare._load_balanced",
+                        lambda parts, dim: torch.cat(parts, dim=dim))  # chunks out of order
+    comparison = compare_captures(whole, cp)
+    assert not comparison.same and comparison.first_fault() is None
+    assert comparison.answer().startswith("no attention call is at fault, but the runs' inputs differ")

@@ -1,6 +1,6 @@
 """`attn-doctor compare A B`: two captures of one model and seed run differently, layer by layer
 (`attn_doctor.tracing.compare`). Exit 0 when they are the same within rounding, 1 when a run's attention is
-far from float64 where the other's is not, 2 on bad input."""
+far from float64 where the other's is not or the runs' inputs differ from the first layer, 2 on bad input."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application
 @click.pass_obj
 def compare(app: Application, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:
     """Compare two captures of one model and seed layer by layer (TP=1 against TP=2, say): out, dQ, dK, dV of
-    every layer both recorded with --values, TP shards put back together. Says "same within rounding" or the
-    first layer where one run's attention is far from float64, and on which rank."""
+    every layer both recorded with --values, TP shards and CP chunks put back together. Says "same within
+    rounding" or the first layer where one run's attention is far from float64, and on which rank."""
     from rich.table import Table
 
     from attn_doctor.results.files import write_atomic

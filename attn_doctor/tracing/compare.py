@@ -3,7 +3,8 @@ TE version against another), layer by layer, as TTrace (arXiv 2506.09280) compar
 single-device one, with the threshold derived rather than guessed.
 
 For every (step, layer) both captures have values of, each run's TP shards are put back together along the
-heads (in tp_rank order), and for out, dQ, dK, dV (when the backward recorded them):
+heads (in tp_rank order) and its CP ranks' chunks along the sequence (`_cp_run_of`), and for out, dQ, dK, dV
+(when the backward recorded them):
 
     d     = ‖A − B‖ / ‖B‖                           how far the runs are apart
     e_A   = ‖A − exact(A's inputs)‖ / ‖exact(A)‖    run A's kernel error on its own inputs (float64 replay)
@@ -15,7 +16,9 @@ inputs' difference carried by exact attention plus each kernel's own error. A di
 while every e_A, e_B stays at rounding level is rounding amplified upstream, not a fault ("same within
 rounding"). A run whose own kernel error is far above the other run's on the same call (more than FACTOR
 times, and above the dtype's rounding floor) is the one far from float64: the first layer where that happens
-is where the runs diverge, and its shards name the rank.
+is where the runs diverge, and its shards name the rank. Two runs of one model and seed agree on the first
+layer's inputs up to the rounding of what came before it; when exact attention on each run's inputs is already
+far apart there (`Comparison.inputs_at_start`), the runs do not compute the same thing, whatever depth does.
 """
 
 from __future__ import annotations
@@ -77,9 +80,19 @@ class Comparison:
                     return layer, measured
         return None
 
+    def inputs_at_start(self) -> tuple[LayerComparison, Measured] | None:
+        """The first compared call when its forward inputs already differ beyond its kernels' rounding (exact
+        attention on each run's inputs is more than FACTOR times their own errors apart): two runs of one model
+        and seed agree there up to the rounding of what came before, so a difference there is not depth."""
+        for layer in self.layers:
+            out = next((m for m in layer.measured if m.tensor == "out"), None)
+            if out is not None:
+                return (layer, out) if out.e_in > FACTOR * max(*out.e, out.floor) else None
+        return None
+
     @property
     def same(self) -> bool:
-        return self.first_fault() is None
+        return self.first_fault() is None and self.inputs_at_start() is None
 
     def answer(self) -> str:
         found = self.first_fault()
@@ -87,9 +100,16 @@ class Comparison:
         if found is None:
             worst = max(((m.d, layer, m) for layer in compared for m in layer.measured), key=lambda x: x[0])
             d, layer, m = worst
-            return (f"same within rounding: {len(compared)} layer calls compared; the largest difference "
-                    f"({m.tensor} {d:.2g} at step {layer.step}, layer {layer.layer}) is explained by the inputs' "
-                    f"own difference ({m.e_in:.2g}) and each kernel's rounding ({m.e[0]:.2g}, {m.e[1]:.2g})")
+            explained = (f"the largest difference ({m.tensor} {d:.2g} at step {layer.step}, layer {layer.layer}) "
+                         f"is explained by the inputs' own difference ({m.e_in:.2g}) and each kernel's rounding "
+                         f"({m.e[0]:.2g}, {m.e[1]:.2g})")
+            start = self.inputs_at_start()
+            if start is not None:
+                first, out = start
+                return (f"no attention call is at fault, but the runs' inputs differ beyond rounding already at "
+                        f"step {first.step}, layer {first.layer} (out {out.e_in:.2g} apart computed exactly on "
+                        f"each run's inputs): the runs do not compute the same thing upstream; {explained}")
+            return f"same within rounding: {len(compared)} layer calls compared; {explained}"
         layer, m = found
         run = m.faulty_run
         ranks = [rank for rank, e in m.shard_e[run] if e > FACTOR * max(m.e[1 - run], m.floor)]
@@ -116,30 +136,123 @@ class _Run:
 
 
 def _shard_tensors(call: CapturedCall, root: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    """A TP shard's tensors and its float64 replay (heads are independent, so a shard is a whole attention)."""
     from attn_doctor.numerics.inputs import make_semantics
     from attn_doctor.numerics.reference import attention_reference
 
     case = case_of(call, root)
     if isinstance(case, str):
         raise ValueError(case)
+    raw = _raw(call)
+    got = {name: raw[name] for name in TENSORS if name in raw}
+    reference = attention_reference(raw["q"], raw["k"], raw["v"], raw["dout"], softmax_scale=case.softmax_scale,
+                                    semantics=make_semantics(case, raw["q"].device), with_terms=False)
+    exact = {name: getattr(reference, name) for name in got}
+    return got, exact, torch.finfo(raw["q"].dtype).eps
+
+
+def _parallel(call: CapturedCall, name: str, default: int = 0) -> int:
+    return int(call.meta.get("parallel", {}).get(name, default))
+
+
+def _raw(call: CapturedCall) -> dict[str, torch.Tensor]:
+    """A call's recorded tensors in bshd (q, k, v, out, dout, and dq, dk, dv when recorded; its boolean
+    attn_mask as `mask` [b, 1, s, s_kv] when it had one)."""
     fmt = native_format(call)
     if fmt == "thd":
         raise ValueError("thd calls are not compared yet")
     values, dout = load_values(call.values_path), load_values(call.dout_path)["dout"]
     out, dout = (with_heads(t, values["q"]) for t in (values["out"], dout))
-    q, k, v, out, dout = (_to_bshd(t, fmt) for t in (values["q"], values["k"], values["v"], out, dout))
-    got = {"out": out}
+    raw = {name: _to_bshd(t, fmt) for name, t in zip(("q", "k", "v", "out", "dout"),
+                                                     (values["q"], values["k"], values["v"], out, dout))}
     for name in ("dq", "dk", "dv"):
         gradient = call.gradient(name)
         if gradient is not None:
-            got[name] = _to_bshd(gradient, fmt)
-    reference = attention_reference(q, k, v, dout, softmax_scale=case.softmax_scale,
-                                    semantics=make_semantics(case, q.device), with_terms=False)
-    exact = {name: getattr(reference, name) for name in got}
-    return got, exact, torch.finfo(q.dtype).eps
+            raw[name] = _to_bshd(gradient, fmt)
+    if "arg.attn_mask" in values:
+        mask = values["arg.attn_mask"]
+        raw["mask"] = mask.reshape([1] * (4 - mask.dim()) + list(mask.shape))
+    return raw
+
+
+def _load_balanced(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """CP ranks' local tensors put back in sequence order: rank r holds chunks r and 2cp-1-r (the split
+    Megatron and TE use so that every rank gets as much of a causal mask's work)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = part.chunk(2, dim=dim)
+        chunks[rank], chunks[2 * cp - 1 - rank] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
+    """A context-parallel run: TP shards joined along the heads per CP rank, then the CP ranks' chunks joined
+    along the sequence (`_load_balanced`). Keys and values either come in chunks too (TE's p2p and a2a) or
+    whole on every rank (all-gather), whose dK and dV are then each rank's share, summed. The float64 replay
+    runs on the whole sequence: a CP rank's call alone is not a whole attention."""
+    from attn_doctor.numerics.masks import Semantics
+    from attn_doctor.numerics.reference import attention_reference
+
+    ranks = sorted({_parallel(c, "cp_rank") for c in calls})
+    if ranks != list(range(cp)):
+        raise ValueError(f"CP ranks {ranks} of {cp} were captured with values; capture every rank's")
+    per_rank = []
+    for cp_rank in ranks:
+        shards = sorted((c for c in calls if _parallel(c, "cp_rank") == cp_rank), key=lambda c: _parallel(c, "tp_rank"))
+        raws = [_raw(c) for c in shards]
+        joined = {n: torch.cat([r[n] for r in raws], dim=2) for n in raws[0] if n != "mask"}
+        if "mask" in raws[0]:
+            joined["mask"] = raws[0]["mask"]
+        per_rank.append((shards, joined))
+    local = per_rank[0][1]["q"].shape[1]
+    whole = {n: _load_balanced([j[n] for _, j in per_rank], dim=1) for n in ("q", "out", "dout", "dq")
+             if all(n in j for _, j in per_rank)}
+    gathered = per_rank[0][1]["k"].shape[1] != local  # keys whole on every rank
+    for n in ("k", "v", "dk", "dv"):
+        if not all(n in j for _, j in per_rank):
+            continue
+        parts = [j[n] for _, j in per_rank]
+        whole[n] = (parts[0] if n in ("k", "v") else sum(parts)) if gathered else _load_balanced(parts, dim=1)
+    case = case_of(per_rank[0][0][0], root)
+    if isinstance(case, str):
+        raise ValueError(case)
+    seq, seq_kv = whole["q"].shape[1], whole["k"].shape[1]
+    fields = {**case.to_dict(), "seq": seq, "seq_kv": seq_kv, "replay": None, "seqlens": None, "seqlens_kv": None}
+    if "mask" in per_rank[0][1]:  # each rank's rows of the explicit mask, in sequence order
+        fields.update(mask="arbitrary", mask_source="random:0")
+        mask = _load_balanced([j["mask"].expand(-1, -1, local, -1) for _, j in per_rank], dim=2)
+    from attn_doctor.core.case import make_case
+
+    whole_case = make_case(**fields)
+    semantics = Semantics(whole_case)
+    if "mask" in per_rank[0][1]:
+        semantics.allowed = mask.expand(whole_case.batch, 1, seq, seq_kv)
+    reference = attention_reference(whole["q"], whole["k"], whole["v"], whole["dout"],
+                                    softmax_scale=whole_case.softmax_scale, semantics=semantics, with_terms=False)
+    names = [n for n in TENSORS if n in whole]
+    got = {n: whole[n] for n in names}
+    exact = {n: getattr(reference, n) for n in names}
+    chunk = local // 2
+    rows = {rank: torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                             torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]) for rank in ranks}
+    one_process = len({shards[0].rank for shards, _ in per_rank}) < len(per_rank)  # a CP simulation
+    labels = [f"{shards[0].rank} (cp_rank {rank})" if one_process else str(shards[0].rank)
+              for rank, (shards, _) in zip(ranks, per_rank)]
+    shard_e = {}
+    for n in names:  # each CP rank's own rows (keys too, when they come in chunks)
+        if n in ("dk", "dv") and gathered:  # every rank's share summed: not one rank's
+            shard_e[n] = [("every CP rank (summed)", _relative(got[n], exact[n]))]
+            continue
+        shard_e[n] = [(label, _relative(got[n].index_select(1, rows[rank]), exact[n].index_select(1, rows[rank])))
+                      for label, rank in zip(labels, ranks)]
+    return _Run(calls[0].meta["api"], got, exact, shard_e, torch.finfo(whole["q"].dtype).eps)
 
 
 def _run_of(calls: list[CapturedCall], root: Path) -> _Run:
+    cp = max(_parallel(c, "cp", 1) for c in calls)
+    if cp > 1:
+        return _cp_run_of(calls, root, cp)
     calls = sorted(calls, key=lambda c: (c.meta.get("parallel", {}).get("tp_rank", c.rank), c.rank))
     shards = [_shard_tensors(c, root) for c in calls]
     names = [n for n in TENSORS if all(n in got for got, _, _ in shards)]

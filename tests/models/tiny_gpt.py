@@ -23,8 +23,13 @@ HIDDEN, HEADS, VOCAB, SEQ, BATCH = 64, 4, 97, 16, 2
 
 def faulty_attention(q, k, v, is_causal=False):
     """A faulty library call (tests/models/fake_flash_attn: flash_attn_func dropping the last key), on bhsd."""
-    sys.path.insert(0, str(Path(__file__).parent / "fake_flash_attn"))
+    fake = Path(__file__).parent / "fake_flash_attn"
+    if str(fake) not in sys.path:
+        sys.path.insert(0, str(fake))
     import flash_attn
+
+    if Path(flash_attn.__file__).parent.parent != fake:  # another flash_attn would not be the faulty one
+        raise RuntimeError(f"flash_attn is already imported from {flash_attn.__file__}, not the faulty stand-in")
 
     out = flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal)
     return out.transpose(1, 2)
