@@ -144,11 +144,10 @@ def read_capture(root: Path) -> list[CapturedCall]:
     calls = []
     for path in sorted(root.glob("rank*/calls-*.jsonl")):
         lines = path.read_bytes().split(b"\n")
-        torn = lines.pop() != b""
+        lines.pop()  # b"" after the last newline, or a line cut off mid-write: a call the run did not finish
         for number, line in enumerate(lines, start=1):
             try:
                 calls.append(CapturedCall(path.parent, json.loads(line)))
             except (UnicodeDecodeError, json.JSONDecodeError):
                 raise BadInput(f"{path}:{number} is not a captured call; the capture is damaged") from None
-        del torn  # a torn last line is a call the run did not finish writing
     return sorted(calls, key=lambda c: (c.rank, c.meta["process"]["started"], c.index))
