@@ -147,6 +147,13 @@ def test_cli_refuses_what_it_cannot_capture(run_cli, tmp_path, args, says):
     assert result.exit_code == 2 and says in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_cli_refuses_to_mix_two_runs_in_one_capture(run_cli, tmp_path):
+    with attn_doctor.capture(tmp_path / "cap"):
+        tiny_gpt.train(steps=1, layers=1)
+    result = run_cli(["capture", "--out", tmp_path / "cap", "--", sys.executable, "-c", "pass"])
+    assert result.exit_code == 2 and "already holds a capture" in result.stderr
+
+
 def test_cli_a_failing_command_exits_1_and_keeps_what_it_recorded(run_cli, tmp_path):
     script = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.models import tiny_gpt; " \
              "tiny_gpt.train(steps=1, layers=2); sys.exit(5)"

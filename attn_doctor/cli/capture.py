@@ -58,6 +58,8 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
                                                                   ("ranks", ranks))}}
     if not values and any(selection[name] is not None for name in ("layers", "steps", "ranks")):
         raise BadInput("--layers, --steps and --ranks choose whose values are recorded: add --values")
+    if (out / "capture.json").exists():
+        raise BadInput(f"--out {out} already holds a capture; give a new folder (a capture is one run's calls)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
