@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from attn_doctor.cli.app import Application, Interrupted
+from attn_doctor.cli.app import Application
 from attn_doctor.cli.options import backend_options, repeats_option
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
@@ -73,8 +73,8 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
         raise BadInput(f"none of the {len(groups)} distinct calls can be replayed yet: {refused[0]}")
 
     from attn_doctor.backends import select
+    from attn_doctor.cli.sweep import execute
     from attn_doctor.machine.devices import resolve_device
-    from attn_doctor.render.terminal import sweep_view
     from attn_doctor.results.files import check_writable
     from attn_doctor.workflows import sweep as sweeping
 
@@ -84,16 +84,4 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
                                     repeats=repeats)
-    plan = sweeping.prepare(request)
-    try:
-        report = sweeping.run(plan, app.progress())
-    except KeyboardInterrupt:
-        raise Interrupted(f"the finished calls are in {plan.log.path}") from None
-    for renderable in sweep_view(report):
-        app.console.print(renderable)
-    saved, why = sweeping.save(report, directory)
-    app.console.print(f"results: {saved} (streamed: {plan.log.path})")
-    app.console.print(f"report:  attn-doctor report {directory} --format markdown")
-    if why:
-        return app.kept_elsewhere(why, saved)
-    return app.exit_code(report)
+    return execute(app, request, "the finished calls are in {log}")

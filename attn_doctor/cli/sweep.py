@@ -43,7 +43,6 @@ def sweep(app: Application, backends, kernels, layouts, device, timeout, resume,
         raise BadInput("give either --resume DIR or --out DIR, not both")
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
-    from attn_doctor.render.terminal import sweep_view
     from attn_doctor.results.files import check_writable
     from attn_doctor.workflows import sweep as sweeping
 
@@ -58,6 +57,16 @@ def sweep(app: Application, backends, kernels, layouts, device, timeout, resume,
                                     resume=resume is not None, depths=depths, degrees=degrees, workers=workers,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
                                     repeats=repeats)
+    return execute(app, request, "the finished points are in {log}; continue with --resume {directory}")
+
+
+def execute(app: Application, request, interrupted: str) -> int:
+    """Run a sweep request (`sweep`, `replay`), print its view and where its results went, return the exit
+    code. `interrupted` is what Ctrl-C says, with {log} and {directory} filled in."""
+    from attn_doctor.render.terminal import sweep_view
+    from attn_doctor.workflows import sweep as sweeping
+
+    directory = request.directory
     plan = sweeping.prepare(request)
     if len(plan.todo) < len(plan.points):
         app.console.print(f"resuming {directory}: {len(plan.points) - len(plan.todo)} of {len(plan.points)} points "
@@ -65,7 +74,7 @@ def sweep(app: Application, backends, kernels, layouts, device, timeout, resume,
     try:
         report = sweeping.run(plan, app.progress())
     except KeyboardInterrupt:
-        raise Interrupted(f"the finished points are in {plan.log.path}; continue with --resume {directory}") from None
+        raise Interrupted(interrupted.format(log=plan.log.path, directory=directory)) from None
     for renderable in sweep_view(report):
         app.console.print(renderable)
     saved, why = sweeping.save(report, directory)

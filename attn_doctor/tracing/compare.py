@@ -236,9 +236,8 @@ def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
     chunk = local // 2
     rows = {rank: torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
                              torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]) for rank in ranks}
-    one_process = len({shards[0].rank for shards, _ in per_rank}) < len(per_rank)  # a CP simulation
-    labels = [f"{shards[0].rank} (cp_rank {rank})" if one_process else str(shards[0].rank)
-              for rank, (shards, _) in zip(ranks, per_rank)]
+    firsts = [shards[0] for shards, _ in per_rank]
+    labels = [_shard_label(first, firsts, "cp_rank") for first in firsts]
     shard_e = {}
     for n in names:  # each CP rank's own rows (keys too, when they come in chunks)
         if n in ("dk", "dv") and gathered:  # every rank's share summed: not one rank's
@@ -263,11 +262,11 @@ def _run_of(calls: list[CapturedCall], root: Path) -> _Run:
     return _Run(calls[0].meta["api"], got, exact, shard_e, shards[0][2])
 
 
-def _shard_label(call: CapturedCall, calls: list[CapturedCall]) -> str:
-    """The rank that ran a shard; with its TP rank when one process ran several shards (a TP simulation)."""
+def _shard_label(call: CapturedCall, calls: list[CapturedCall], within: str = "tp_rank") -> str:
+    """The rank that ran a shard; with its TP (or CP) rank when one process ran several shards (a simulation)."""
     if sum(c.rank == call.rank for c in calls) == 1:
         return str(call.rank)
-    return f"{call.rank} (tp_rank {call.meta.get('parallel', {}).get('tp_rank', '?')})"
+    return f"{call.rank} ({within} {call.meta.get('parallel', {}).get(within, '?')})"
 
 
 def _values_by_layer(root: Path) -> dict[tuple[int, int], list[CapturedCall]]:

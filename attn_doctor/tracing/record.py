@@ -418,23 +418,18 @@ def _te_module_settings(module: Any) -> dict[str, Any]:
 
 
 def _te_choice() -> dict[str, Any]:
-    """The backend TE chose for the call just made, read from TE's own selection state."""
+    """The backend TE chose for the call just made, read from TE's own selection state and named as the TE
+    backend's rows name it (`attn_doctor.backends.te.describe_state`)."""
+    from attn_doctor.backends.te import describe_state
+
     try:
         dpa = importlib.import_module(
             "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
         state = dpa._attention_backends
     except Exception:  # noqa: BLE001 - an older or newer TE: the choice is unknown, not an error
         return {"backend": "unknown (TE's selection state not readable)"}
-    if state.get("use_flash_attention"):
-        backend = "FlashAttention"
-    elif state.get("use_fused_attention"):
-        backend = f"FusedAttention (sub-backend {int(state.get('fused_attention_backend') or 0)})"
-    elif state.get("use_unfused_attention"):
-        backend = "UnfusedDotProductAttention"
-    else:
-        backend = "unknown"
     params = state.get("attention_params")
-    return {"backend": backend, "qkv_layout": getattr(params, "qkv_layout", None),
+    return {"backend": describe_state(state), "qkv_layout": getattr(params, "qkv_layout", None),
             "deterministic": getattr(params, "deterministic", None)}
 
 

@@ -21,10 +21,10 @@ import torch
 from attn_doctor.core.case import Case, make_case
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import QKV
+from attn_doctor.numerics.inputs import TORCH_DTYPES
 from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
 
-DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {str(dtype).removeprefix("torch."): name for name, dtype in TORCH_DTYPES.items()}  # "bfloat16" -> bf16
 
 
 def reference_of(root: Path, call: CapturedCall) -> str:
@@ -210,10 +210,10 @@ def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                           "same values)")
     storages: dict[int, torch.Tensor] = {}
     views = []
+    dtype = TORCH_DTYPES[case.dtype]
+    element = torch.empty((), dtype=dtype).element_size()
     for name, values in (("q", q), ("k", k), ("v", v)):
         meta = call.meta["tensors"][name]
-        dtype = TORCH_DTYPES[case.dtype]
-        element = torch.empty((), dtype=dtype).element_size()
         sid = meta["storage"]["id"]
         if sid not in storages:
             storages[sid] = torch.zeros(meta["storage"]["nbytes"] // element, dtype=dtype, device=q.device)

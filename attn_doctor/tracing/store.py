@@ -17,8 +17,6 @@ sweep's results.jsonl. Values are safetensors and metadata JSON: loading someone
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from typing import Any
 import torch
 
 from attn_doctor.core.errors import BadInput
+from attn_doctor.results.files import write_atomic, write_atomic_bytes
 
 FORMAT = "attn-doctor/capture"
 FORMAT_VERSION = 1
@@ -41,11 +40,7 @@ def values_stem(root: Path, rank: int, pid: int, index: int) -> Path:
 
 
 def write_json(path: Path, document: dict) -> None:
-    """Whole or not at all: a temp file beside it, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
 
 
 class CallLog:
@@ -67,18 +62,11 @@ class CallLog:
 def save_values(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     """The tensors' values (as their views show them, contiguous, on the CPU) in one safetensors file, written
     atomically; returns its size in bytes."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path.stat().st_size
+    data = save({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()})
+    write_atomic_bytes(path, data)
+    return len(data)
 
 
 def load_values(path: Path) -> dict[str, torch.Tensor]:
