@@ -185,3 +185,26 @@ def test_runs_whose_inputs_differ_from_the_start_are_not_called_the_same(tmp_pat
     comparison = compare_captures(whole, cp)
     assert not comparison.same and comparison.first_fault() is None
     assert comparison.answer().startswith("no attention call is at fault, but the runs' inputs differ")
+
+
+def test_a_call_whose_output_holds_nan_is_the_one_far_from_float64(tmp_path, monkeypatch):
+    import torch.nn.functional as F
+
+    plain, broken = F.scaled_dot_product_attention, {"on": False}
+
+    def kernel(*args, **kwargs):  # NaN in one output row: a kernel that reads uninitialised memory
+        out = plain(*args, **kwargs)
+        return out.index_fill(2, torch.tensor([3]), float("nan")) if broken["on"] else out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", kernel)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    for name, on in (("a", False), ("b", True)):
+        broken["on"] = on
+        with attn_doctor.capture(tmp_path / name, values=True):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            F.scaled_dot_product_attention(*leaves, is_causal=True).nan_to_num().sum().backward()
+    comparison = compare_captures(tmp_path / "a", tmp_path / "b")
+    layer, measured = comparison.first_fault()
+    assert measured.tensor == "out" and measured.faulty_run == 1, comparison.answer()
+    assert comparison.answer().endswith("on rank 0")

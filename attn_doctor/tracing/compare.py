@@ -23,6 +23,7 @@ far apart there (`Comparison.inputs_at_start`), the runs do not compute the same
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,8 @@ class Measured:
         """0 or 1 when that run's kernel is far from float64 and the other's is not; None otherwise."""
         for run in (0, 1):
             mine, other = self.e[run], self.e[1 - run]
+            if not math.isfinite(mine) and math.isfinite(other):  # NaN/Inf where float64 has none
+                return run
             if mine > FACTOR * max(other, self.floor):
                 return run
         return None
@@ -112,7 +115,8 @@ class Comparison:
             return f"same within rounding: {len(compared)} layer calls compared; {explained}"
         layer, m = found
         run = m.faulty_run
-        ranks = [rank for rank, e in m.shard_e[run] if e > FACTOR * max(m.e[1 - run], m.floor)]
+        ranks = [rank for rank, e in m.shard_e[run]
+                 if not math.isfinite(e) or e > FACTOR * max(m.e[1 - run], m.floor)]
         api = layer.rank_apis[run].get(int(ranks[0].split()[0]), layer.apis[run]) if ranks else layer.apis[run]
         return (f"differs from layer {layer.layer} (step {layer.step}) on: {api}, {m.tensor} "
                 f"(runs {m.d:.2g} apart); {self.labels[run]} is the one far from float64 "
