@@ -4,6 +4,7 @@ on them, identical calls are checked once, a faulty --kernel is named, and the r
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -93,32 +94,56 @@ def test_calls_that_cannot_be_replayed_say_why(run_cli, tmp_path):
     q = torch.randn(1, 2, 8, 4)
     with attn_doctor.capture(tmp_path / "cap"):
         torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.3)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     result = run_cli(["replay", tmp_path / "cap", "--device", "cpu"])
     assert result.exit_code == 2 and "can be replayed yet" in result.stderr
     assert "an attn_mask whose values were not captured (capture with --values)" in result.output
-    assert "softmax scale 0.3" in result.output
+    assert "dropout 0.1" in result.output
 
 
-def test_sdpa_boolean_masks_replay_as_the_captured_mask_float_and_per_head_ones_say_why(run_cli, tmp_path):
+def test_a_custom_scale_and_q_k_v_that_are_one_tensor_replay_on_seeded_values_through_their_storage(run_cli,
+                                                                                                  tmp_path):
+    q = torch.randn(1, 2, 8, 4)
+    with attn_doctor.capture(tmp_path / "cap"):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.3)
+    (call,) = read_capture(tmp_path / "cap")
+    case = case_of(call, tmp_path / "cap")
+    assert case.scale == 0.3 and "scale 0.3" in case.short()
+    x = make_inputs(case, torch.device("cpu"))
+    assert torch.equal(x.q, x.k) and torch.equal(x.k, x.v)  # one tensor in the run: one tensor's values here
+    result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out",
+                      tmp_path / "r"])
+    assert result.exit_code == 0, result.output
+    assert "seeded values (through the shared storage)" in result.output
+
+
+def test_sdpa_masks_replay_as_the_captured_mask_and_bias_per_head_ones_say_why(run_cli, tmp_path):
     q, k, v = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(3))
     lengths = torch.tensor([12, 7])
     keys = torch.arange(12)[None, :] < lengths[:, None]  # key padding, HF style: [b, 1, 1, s_kv]
     left = (torch.arange(12)[None, :] >= 12 - lengths[:, None])  # left padding under a causal mask: [b, 1, s, s]
     causal_left = torch.tril(torch.ones(12, 12, dtype=torch.bool)) & left[:, None, :] & left[:, :, None]
+    # An additive mask: a relative-position bias per head with -inf above the diagonal.
+    additive = torch.randn(1, 4, 12, 12).masked_fill(~torch.tril(torch.ones(12, 12, dtype=torch.bool)), -math.inf)
+    per_head = torch.ones(2, 4, 12, 12, dtype=torch.bool)
+    per_head[:, 1, :, 0] = False
     with attn_doctor.capture(tmp_path / "cap", values=True):
-        for mask in (keys[:, None, None, :], causal_left[:, None]):
+        for mask in (keys[:, None, None, :], causal_left[:, None], additive):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(12, 12))
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 4, 12, 12, dtype=torch.bool))
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=per_head)
     result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out", tmp_path / "r"])
     assert result.exit_code == 0, result.output
-    assert "a float attn_mask" in result.output and "a per-head attn_mask" in result.output
+    assert "a per-head attn_mask" in result.output
     rows = json.loads((tmp_path / "r" / "results.json").read_text())["results"]
     judged = [r for r in rows if r["verdict"] == "PASS"]
-    assert {r["case"]["mask_source"] for r in judged} == {"captured"} and len({r["case"]["replay"] for r in judged}) == 2
+    assert {r["case"]["mask_source"] for r in judged} == {"captured"} and len({r["case"]["replay"] for r in judged}) == 3
     assert any(r["tensors"]["out"].get("empty_rows") for r in judged)  # left padding: rows that see no key
-
+    (biased,) = {r["case"]["replay"]: r["case"] for r in judged if r["case"].get("bias")}.values()
+    assert biased["bias"] == "post_scale_bias:1hss"
+    case = case_of([c for c in read_capture(tmp_path / "cap") if c.index == 2][0], tmp_path / "cap")
+    semantics = make_inputs(case, torch.device("cpu")).semantics
+    assert torch.equal(semantics.allowed[0, 0], additive[0, 0] != -math.inf)
+    assert torch.equal(semantics.bias, additive.masked_fill(additive == -math.inf, 0))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -437,6 +439,8 @@ def test_fp8_on_the_cpu_is_refused(run_cli):
     (["--seqlens", "8,4", "--mask", "causal"], "padding"),
     (["--seqlens", "8,x", "--mask", "padding"], "whole numbers"),
     (["--seqlens", "8,4", "--mask", "padding", "--tp", "2"], "single call"),
+    (["--softmax-scale", "-0.5"], "positive number"),
+    (["--softmax-scale", "x"], "numbers"),
 ])
 def test_bad_api_flags_exit_2_with_one_line(run_cli, flags, says):
     result = run_cli(["run", "--batch", "2", "--seq", "8", "--heads", "2", "--head-dim", "8", "--device", "cpu",
@@ -507,3 +511,18 @@ def test_a_kernel_whose_output_ignores_q_and_k_fails_with_zero_gradients_not_an_
     row = _rows(case, [parse_kernel_spec(f"{FEATURES}:ignores_queries_and_keys")])["ignores_queries_and_keys"]
     assert row.verdict == FAIL and {"out", "dq", "dk"} <= set(row.failing_tensors)
     assert row.tensors["dq"].cosine == 0.0  # an all-zero gradient, compared like any other
+
+
+def test_a_softmax_scale_reaches_every_path_and_the_default_one_is_spelled_none(run_cli, tmp_path, monkeypatch):
+    from attn_doctor.core.case import make_case
+
+    assert make_case(head_dim=64, scale=0.125).scale is None  # 1/sqrt(64): the default, one case
+    monkeypatch.chdir(tmp_path)
+    blind = f"{Path(__file__).parent / 'kernels' / 'faulty.py'}:scale_blind"
+    flags = ["run", "--batch", "1", "--seq", "16", "--heads", "2", "--head-dim", "16", "--device", "cpu",
+             "--softmax-scale", "0.5"]
+    right = run_cli([*flags, "--backend", "sdpa.math", "--backend", "local"])
+    assert right.exit_code == 0, right.output
+    assert "scale 0.5" in right.output
+    wrong = run_cli([*flags, "--kernel", blind])  # a kernel that never reads softmax_scale
+    assert wrong.exit_code == 1, wrong.output

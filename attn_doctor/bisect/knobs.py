@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from attn_doctor.core.case import DTYPES, Case
+from attn_doctor.core.case import DEFAULT_MASKED_FRACTION, DTYPES, Case
 from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
 
@@ -37,6 +37,15 @@ def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int =
 def knob_dict(coords: Coords) -> dict:
     """The knobs' values: what a bisect document records of a probe (and what names its repro)."""
     return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
+
+
+def _without_capture(case: Case) -> dict[str, Any]:
+    """A replayed case as seeded inputs of its shapes: its captured mask becomes a random one of the same kind
+    (and a packed call's own slots the usual padding between sequences)."""
+    fields = {**case.to_dict(), "replay": None}
+    if case.mask_source == "captured":
+        fields["mask_source"] = f"random:{DEFAULT_MASKED_FRACTION}"
+    return fields
 
 
 def _rebuilt(coords: Coords, **changes: Any) -> Coords:
@@ -135,7 +144,7 @@ CATEGORICAL: tuple[Categorical, ...] = (
     # A replayed call first: does the fault need the captured values and views, or do seeded inputs of its
     # shapes, contiguous, show it too (then every other knob can shrink it)?
     Categorical("replay", lambda c: c.case.replay, lambda c: [None] if c.case.replay is not None else [],
-                lambda c, _: _rebuilt(c, case=Case.from_dict({**c.case.to_dict(), "replay": None}),
+                lambda c, _: _rebuilt(c, case=Case.from_dict(_without_capture(c.case)),
                                       layout="contiguous" if c.layout == "captured" else c.layout)),
     Categorical("layout", lambda c: c.layout,
                 lambda c: ["contiguous"] if c.kind is not ProbeKind.DEPTH and c.layout != "contiguous" else [],

@@ -37,16 +37,22 @@ def _stack(fn: Callable, options: list[Callable]) -> Callable:
     return fn
 
 
-def int_list(text: str | None, name: str) -> list[int] | None:
-    if text is None:
-        return None
+def _numbers(text: str, name: str, kind: type, what: str) -> list:
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise BadInput(f"--{name} takes whole numbers separated by commas, got {text!r}") from None
+        raise BadInput(f"--{name} takes {what}s separated by commas, got {text!r}") from None
     if not values:
-        raise BadInput(f"--{name} needs at least one whole number, got {text!r}")
+        raise BadInput(f"--{name} needs at least one {what}, got {text!r}")
     return values
+
+
+def int_list(text: str | None, name: str) -> list[int] | None:
+    return None if text is None else _numbers(text, name, int, "whole number")
+
+
+def float_list(text: str, name: str) -> list[float]:
+    return _numbers(text, name, float, "number")
 
 
 def window(text: str | None) -> tuple[int, int] | None:
@@ -103,6 +109,7 @@ def api_options(grid: bool) -> list[Callable]:
         click.option("--softmax", help=f"{listing}TE's softmax_type: {', '.join(SOFTMAX_TYPES)} [vanilla]."),
         click.option("--fp8", help=f"{listing}FP8 attention recipe: {', '.join(FP8_RECIPES)} [none]."),
         click.option("--mask-source", help="The explicit mask of --mask arbitrary: random:P (P masked out)."),
+        click.option("--softmax-scale", help=f"{listing}TE's softmax_scale [1/sqrt(head dim)]."),
     ] + ([] if grid else [click.option("--replay", help="A captured call to check (DIR@RANK.PID.INDEX, as "
                                                         "`attn-doctor replay` names it): its shapes and values.")])
 
@@ -176,6 +183,8 @@ def build_case(options: dict[str, Any]) -> Case:
         fields["window"] = window(options["window"])
     if options.get("head_dim_v") is not None:
         fields["head_dim_v"] = int_list(options["head_dim_v"], "head-dim-v")[0]
+    if options.get("softmax_scale") is not None:
+        fields["scale"] = float_list(options["softmax_scale"], "softmax-scale")[0]
     for name in ("seqlens", "seqlens_kv"):
         if options.get(name) is not None:
             fields[name] = tuple(int_list(options[name], name.replace("_", "-")))
@@ -206,6 +215,8 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
             grid[name] = choices(options[name], allowed, name.replace("_", "-"))
     if options.get("head_dim_v") is not None:
         grid["head_dim_v"] = int_list(options["head_dim_v"], "head-dim-v")
+    if options.get("softmax_scale") is not None:
+        grid["scale"] = float_list(options["softmax_scale"], "softmax-scale")
     for name in ("seqlens", "seqlens_kv"):
         if options.get(name):
             grid[name] = [tuple(int_list(text, name.replace("_", "-"))) for text in options[name]]

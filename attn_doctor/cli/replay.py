@@ -38,7 +38,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     (seeded ones when only metadata was captured) on its own views (layout `captured`) and contiguous.
     Identical calls (same API, arguments, shapes, strides, dtypes) are checked once and counted."""
     from attn_doctor.machine.devices import check_device_name
-    from attn_doctor.tracing.replay import case_of
+    from attn_doctor.tracing.replay import case_of, values_source
     from attn_doctor.tracing.store import read_capture
 
     check_device_name(device)
@@ -66,9 +66,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
             app.console.print(f"  {number}. {where}: not replayed ({case})")
         else:
             cases.append(case)
-            values = "captured values" if chosen.values_path is not None and chosen.dout_path is not None else \
-                "seeded values"
-            app.console.print(f"  {number}. {where}: {case.short().rsplit(' call ', 1)[0]}, {values}")
+            app.console.print(f"  {number}. {where}: {case.short().rsplit(' call ', 1)[0]}, {values_source(chosen)}")
     if not cases:
         raise BadInput(f"none of the {len(groups)} distinct calls can be replayed yet: {refused[0]}")
 

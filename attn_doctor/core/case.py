@@ -36,7 +36,8 @@ DEFAULT_MASKED_FRACTION = 0.25
 # dict, short form and flags, so cases, documents and point ids of the dense API read as they always did.
 API_DEFAULTS: dict[str, Any] = {"qkv_format": "sbhd", "seqlens": None, "seqlens_kv": None,
                                 "pad_between_seqs": False, "head_dim_v": None, "bias": "no_bias",
-                                "softmax": "vanilla", "fp8": "none", "mask_source": None, "replay": None}
+                                "softmax": "vanilla", "fp8": "none", "mask_source": None, "scale": None,
+                                "replay": None}
 # The distributions of q, k, v (`attn_doctor.numerics.inputs` says what each is and why), plainest first.
 INPUTS = ("normal", "uniform", "outliers", "large-logits", "structured")
 
@@ -71,6 +72,7 @@ class Case:
     softmax: str = "vanilla"  # TE's softmax_type: one of SOFTMAX_TYPES (sinks)
     fp8: str = "none"  # TE's FP8 attention recipe: one of FP8_RECIPES
     mask_source: str | None = None  # mask "arbitrary": "random:P"
+    scale: float | None = None  # TE's softmax_scale; None: 1/sqrt(head_dim)
     # A captured call this case replays (`attn_doctor.tracing.replay`): DIR@RANK.PID.INDEX. Its values (when
     # recorded) replace the seeded ones, and the `captured` layout rebuilds its exact views.
     replay: str | None = None
@@ -136,7 +138,7 @@ class Case:
 
     @property
     def softmax_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
 
     def key(self) -> tuple:
         """Identity of the inputs: cases with equal keys get bitwise-equal q, k, v, dout."""
@@ -190,6 +192,8 @@ class Case:
             parts.append((f"fp8:{self.fp8}", f"--fp8 {self.fp8}"))
         if self.mask_source is not None:
             parts.append((self.mask_source, f"--mask-source {self.mask_source}"))
+        if self.scale is not None:
+            parts.append((f"scale {self.scale:.6g}", f"--softmax-scale {self.scale!r}"))
         if self.replay is not None:
             parts.append((f"call {self.replay.rpartition('@')[2]}", f"--replay {shlex.quote(self.replay)}"))
         return parts
@@ -294,6 +298,7 @@ def make_case(**fields: Any) -> Case:
         window=tuple(case.window) if case.window is not None else None,
         head_dim_v=None if case.head_dim_v == case.head_dim else case.head_dim_v,
     )
+    case = _check_scale(case)
     for name in ("batch", "seq", "heads", "head_dim"):
         _positive(name, getattr(case, name))
     for name in ("kv_heads", "seq_kv", "head_dim_v"):
@@ -369,6 +374,18 @@ def _check_lengths(case: Case) -> Case:
     return case
 
 
+def _check_scale(case: Case) -> Case:
+    """A softmax scale is a positive number; 1/sqrt(head_dim), the default, is spelled None."""
+    if case.scale is None:
+        return case
+    if isinstance(case.scale, bool) or not isinstance(case.scale, (int, float)) or not (
+            0 < case.scale < math.inf):
+        raise BadInput(f"softmax scale must be a positive number (e.g. 0.125), got {case.scale!r}")
+    if math.isclose(case.scale, case.head_dim ** -0.5, rel_tol=1e-9):
+        return dataclasses.replace(case, scale=None)
+    return dataclasses.replace(case, scale=float(case.scale))
+
+
 def _check_replay(case: Case) -> None:
     """A replayed call keeps its captured shapes (its values and views have them)."""
     if case.replay is None:
@@ -406,7 +423,7 @@ def _check_mask_source(case: Case) -> None:
 
 GRID_FIELDS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "window", "seed",
                "inputs", "qkv_format", "seqlens", "seqlens_kv", "pad_between_seqs", "head_dim_v", "bias", "softmax",
-               "fp8", "mask_source")
+               "fp8", "mask_source", "scale")
 
 
 def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[Case]:

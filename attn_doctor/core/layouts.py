@@ -99,8 +99,12 @@ class Packing:
 
 
 def packing(case) -> Packing:
-    """The packing of a thd case (`attn_doctor.core.case.Case`)."""
+    """The packing of a thd case (`attn_doctor.core.case.Case`); a replayed call's slots are its own."""
     lengths_q, lengths_kv = case.lengths_q(), case.lengths_kv()
+    if case.replay is not None and case.pad_between_seqs:
+        from attn_doctor.tracing.replay import captured_slots
+
+        return Packing(case.seq, case.seq_k, lengths_q, lengths_kv, *captured_slots(case))
     return Packing(case.seq, case.seq_k, lengths_q, lengths_kv,
                    slots(lengths_q, case.seq, case.pad_between_seqs),
                    slots(lengths_kv, case.seq_k, case.pad_between_seqs))

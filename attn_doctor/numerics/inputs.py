@@ -119,7 +119,8 @@ def make_semantics(case: Case, device: torch.device) -> Semantics:
 
     - arbitrary mask "random:P": each (query, key) pair of each sequence hidden with probability P; "captured":
       a replayed call's own mask;
-    - post_scale_bias: standard normal in the inputs' dtype (TE takes the bias in the inputs' dtype);
+    - post_scale_bias: standard normal in the inputs' dtype (TE takes the bias in the inputs' dtype); a
+      replayed call's own, when its values were captured;
     - alibi: TE's default slopes;
     - off-by-one: sink logits 0; learnable: standard normal sink logits per head, float32 (TE's parameter)."""
     semantics = Semantics(case)
@@ -136,10 +137,15 @@ def make_semantics(case: Case, device: torch.device) -> Semantics:
     if case.bias == "alibi":
         semantics.alibi_slopes = alibi_slopes(case.heads).to(device)
     elif case.bias != "no_bias":
-        sizes = {"1": 1, "b": case.batch, "h": case.heads}
-        layout = case.bias.partition(":")[2]  # e.g. "1hss": batch, heads, then seq_q (or 1) and seq_kv
-        shape = (sizes[layout[0]], sizes[layout[1]], case.seq if layout[2] == "s" else 1, case.seq_k)
-        semantics.bias = torch.randn(shape, generator=generator, device=device).to(TORCH_DTYPES[case.dtype])
+        if case.replay is not None:
+            from attn_doctor.tracing.replay import captured_bias
+
+            semantics.bias = captured_bias(case, device)
+        if semantics.bias is None:
+            sizes = {"1": 1, "b": case.batch, "h": case.heads}
+            layout = case.bias.partition(":")[2]  # e.g. "1hss": batch, heads, then seq_q (or 1) and seq_kv
+            shape = (sizes[layout[0]], sizes[layout[1]], case.seq if layout[2] == "s" else 1, case.seq_k)
+            semantics.bias = torch.randn(shape, generator=generator, device=device).to(TORCH_DTYPES[case.dtype])
     if case.softmax == "off-by-one":
         semantics.sink = torch.zeros(case.heads, device=device)
     elif case.softmax == "learnable":

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from attn_doctor.core.errors import BadInput
-from attn_doctor.tracing.replay import _to_bshd, case_of, native_format, with_heads
+from attn_doctor.tracing.replay import as_bshd, case_of, native_format, with_heads
 from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
 
 TENSORS = ("out", "dq", "dk", "dv")
@@ -167,12 +167,12 @@ def _raw(call: CapturedCall) -> dict[str, torch.Tensor]:
         raise ValueError("thd calls are not compared yet")
     values, dout = load_values(call.values_path), load_values(call.dout_path)["dout"]
     out, dout = (with_heads(t, values["q"]) for t in (values["out"], dout))
-    raw = {name: _to_bshd(t, fmt) for name, t in zip(("q", "k", "v", "out", "dout"),
+    raw = {name: as_bshd(t, fmt) for name, t in zip(("q", "k", "v", "out", "dout"),
                                                      (values["q"], values["k"], values["v"], out, dout))}
     for name in ("dq", "dk", "dv"):
         gradient = call.gradient(name)
         if gradient is not None:
-            raw[name] = _to_bshd(gradient, fmt)
+            raw[name] = as_bshd(gradient, fmt)
     if "arg.attn_mask" in values:
         mask = values["arg.attn_mask"]
         raw["mask"] = mask.reshape([1] * (4 - mask.dim()) + list(mask.shape))
@@ -221,6 +221,8 @@ def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
     case = case_of(per_rank[0][0][0], root)
     if isinstance(case, str):
         raise ValueError(case)
+    if case.bias != "no_bias" or ("mask" in per_rank[0][1] and per_rank[0][1]["mask"].dtype != torch.bool):
+        raise ValueError("a bias (or float attn_mask) under context parallelism is not compared yet")
     seq, seq_kv = whole["q"].shape[1], whole["k"].shape[1]
     fields = {**case.to_dict(), "seq": seq, "seq_kv": seq_kv, "replay": None, "seqlens": None, "seqlens_kv": None}
     if "mask" in per_rank[0][1]:  # each rank's rows of the explicit mask, in sequence order

@@ -8,9 +8,10 @@ same tensors, no copy before the call, no synchronisation), so a capture never c
 it observes; then its metadata is written (`attn_doctor.tracing.store`): every tensor's shape, dtype, strides,
 storage offset and storage size (tensors sharing a storage share its id, so packed q/k/v views replay as
 packed), the call's arguments (small integer tensors such as cu_seqlens with their values), what TE chose
-(its backend, sub-backend and layout, read back from TE), FP8 state, the process rank and parallel sizes, the
-module path and layer number, the forward-pass (step) number and the call's index. A call made inside
-another captured call (e.g. SDPA under a wrapper) is not recorded twice.
+(its backend, sub-backend and layout, read back from TE, and TE's own reasons: the lines its debug log gives),
+FP8 state, the process rank and parallel sizes, the module path and layer number, the forward-pass (step)
+number and the call's index. A call made inside another captured call (e.g. SDPA under a wrapper) is not
+recorded twice.
 
 Values (`values=True`) are recorded for the selected layers, steps and ranks only, within `max_bytes` per
 process: q, k, v, out and the masks after the forward; the output gradient and dQ, dK, dV when the backward
@@ -19,7 +20,8 @@ model inputs, no other activations.
 
 The layer is the first number in the module path (`decoder.layers.17.self_attention` -> 17: Megatron's and
 Hugging Face's naming), else the call's position within its forward pass. The step counts forward passes of
-the first module called from outside any module (the model).
+the outermost module running at the first recorded call (the model). Both are read from the Python stack when
+a call is recorded: no hook runs on the model's other modules.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ import importlib
 import importlib.abc
 import inspect
 import json
+import logging
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -114,27 +118,76 @@ def tensor_meta(t: torch.Tensor, storages: dict[int, int]) -> dict[str, Any]:
             "storage": {"id": sid, "nbytes": storage.nbytes()}, "requires_grad": t.requires_grad}
 
 
-def describe_value(value: Any, storages: dict[int, int]) -> Any:
+class SmallValues:
+    """The values of small integer tensors (cu_seqlens), read once per tensor: reading a GPU tensor waits for
+    the GPU, and a model passes the same cu_seqlens to every layer. A tensor is known by its identity and its
+    version counter (which in-place writes bump); a weak reference tells a freed tensor from a new one that
+    took its id."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+
+    def of(self, t: torch.Tensor) -> list[int]:
+        known = self._known.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            return known[2]
+        values = t.detach().to("cpu").reshape(-1).tolist()
+        if len(self._known) > 256:
+            self._known = {key: entry for key, entry in self._known.items() if entry[0]() is not None}
+        self._known[id(t)] = (weakref.ref(t), t._version, values)
+        return values
+
+
+def describe_value(value: Any, storages: dict[int, int], small: SmallValues | None = None) -> Any:
     """An argument as JSON: tensors by their geometry (small integer ones with their values), the rest as
     plain values or their repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, torch.Tensor):
         meta = {"tensor": tensor_meta(value, storages)}
         if not value.is_floating_point() and value.dtype != torch.bool and value.numel() <= SMALL_INT_TENSOR:
-            meta["values"] = value.detach().to("cpu").reshape(-1).tolist()
+            meta["values"] = (small or SmallValues()).of(value)
         return meta
     if isinstance(value, (list, tuple)):
-        return [describe_value(v, storages) for v in value]
+        return [describe_value(v, storages, small) for v in value]
     if isinstance(value, dict):
-        return {str(k): describe_value(v, storages) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+        return {str(k): describe_value(v, storages, small) for k, v in value.items()}
     return {"repr": repr(value)[:500]}
 
 
-class _ModuleStack(threading.local):
+def _binder(function: Callable) -> Callable[[tuple, dict], dict[str, Any] | None]:
+    """The arguments of a call by name, as the call passed them (defaults left out): positional ones zipped with
+    the parameters' names, a tenth of what `inspect.Signature.bind` costs per call. None for a call that passes
+    more positional arguments than the function names (the wrapper then passes it through unrecorded)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds]
+
+    def bind(args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        return dict(zip(names, args)) | kwargs if len(args) <= len(names) else None
+
+    return bind
+
+
+class _Busy(threading.local):
     def __init__(self) -> None:
-        self.modules: list[torch.nn.Module] = []
         self.busy = False  # inside a recorded call: calls it makes are not recorded again
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
+    """The modules whose forward is running in this thread, outermost first: the `self` of each of
+    nn.Module's call frames from `frame` up. Read only when a call is recorded, so that the model's other
+    modules run without any hook of the capture (global module hooks cost every module call microseconds)."""
+    modules = []
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module):
+                modules.append(module)
+        frame = frame.f_back
+    return modules[::-1]
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):
@@ -171,14 +224,16 @@ class Recorder:
         self.selection = selection or Selection()
         self.calls = 0
         self.value_bytes = 0
-        self._stack = _ModuleStack()
-        self._names: dict[int, dict[int, str]] = {}
-        self._model: int | None = None
-        self._step = -1
+        self._stack = _Busy()
+        self._names: dict[int, tuple[torch.nn.Module, dict[int, str]]] = {}
+        self._model: torch.nn.Module | None = None
+        self._step = 0
         self._ordinal = 0
         self._lock = threading.Lock()
         self._undo: list[Callable[[], None]] = []
         self._log: store.CallLog | None = None
+        self._small_values = SmallValues()
+        self._te_reasons: dict[int, tuple[Any, list[str]]] = {}  # TE's reasons, by its parameters object
         self._process = {"pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
     # -- starting and stopping --
@@ -191,15 +246,8 @@ class Recorder:
                                       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                       "selection": self.selection.to_dict(), "command": sys.argv})
         import torch.nn.functional as F
-        from torch.nn.modules import module as nn_module
 
         self._wrap_attribute(F, "scaled_dot_product_attention", self._sdpa)
-        handles = [nn_module.register_module_forward_pre_hook(self._enter)]
-        try:
-            handles.append(nn_module.register_module_forward_hook(self._leave, always_call=True))
-        except TypeError:  # torch without always_call: a forward that raises leaves its module on the stack
-            handles.append(nn_module.register_module_forward_hook(self._leave))
-        self._undo += [h.remove for h in handles]
         targets = {"transformer_engine.pytorch": self._patch_te, "flash_attn": self._patch_flash}
         for name, patch in list(targets.items()):
             if name in sys.modules:
@@ -238,32 +286,28 @@ class Recorder:
 
     # -- where we are in the model --
 
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        stack = self._stack.modules
-        if not stack:
-            if self._model is None:
-                self._model = id(module)
-            if id(module) == self._model:
-                self._step += 1
-                self._ordinal = 0
-            if id(module) not in self._names:
-                self._names[id(module)] = {id(m): name for name, m in module.named_modules()}
-        stack.append(module)
-
-    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        stack = self._stack.modules
-        while stack:  # pop up to this module (a forward that raised may have left others on top)
-            if stack.pop() is module:
-                break
-
     def _where(self) -> tuple[str, int | None]:
-        stack = self._stack.modules
+        """The module path of the recorded call (the innermost running module, named from the outermost) and
+        its layer. The first outermost module seen is the model: a pre-hook on it alone counts the steps."""
+        stack = modules_on_stack(sys._getframe(1))
         if not stack:
             return "", None
-        names = self._names.get(id(stack[0]), {})
-        path = names.get(id(stack[-1]), type(stack[-1]).__name__)
+        outermost = stack[0]
+        with self._lock:
+            if self._model is None:  # its first forward is running: step 0; the hook counts the next ones
+                self._model = outermost
+                self._undo.append(outermost.register_forward_pre_hook(self._next_step).remove)
+            known = self._names.get(id(outermost))
+            if known is None or known[0] is not outermost:
+                known = self._names[id(outermost)] = (outermost, {id(m): n for n, m in outermost.named_modules()})
+        path = known[1].get(id(stack[-1]), type(stack[-1]).__name__)
         numbers = [int(part) for part in path.split(".") if part.isdigit()]
         return path, numbers[0] if numbers else None
+
+    def _next_step(self, module: torch.nn.Module, args: Any) -> None:
+        with self._lock:
+            self._step += 1
+            self._ordinal = 0
 
     # -- the wrappers --
 
@@ -278,16 +322,14 @@ class Recorder:
         return sdpa
 
     def _te_forward(self, original: Callable) -> Callable:
-        signature = inspect.signature(original)
+        bind = _binder(original)
 
         @functools.wraps(original)
         def forward(module, *args, **kwargs):
-            try:
-                bound = dict(signature.bind(module, *args, **kwargs).arguments)
-            except TypeError:
+            bound = bind((module, *args), kwargs)
+            if bound is None:
                 return original(module, *args, **kwargs)
-            bound.pop(next(iter(signature.parameters)), None)  # self
-            bound |= bound.pop("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
+            bound.pop(next(iter(bound)), None)  # self
             bound["module"] = _te_module_settings(module)
             return self._call("te.DotProductAttention", original, (module, *args), kwargs, bound,
                               ("query_layer", "key_layer", "value_layer"), te_module=module)
@@ -295,13 +337,12 @@ class Recorder:
         return forward
 
     def _generic(self, api: str, original: Callable) -> Callable:
-        signature = inspect.signature(original)
+        bind = _binder(original)
 
         @functools.wraps(original)
         def call(*args, **kwargs):
-            try:
-                bound = dict(signature.bind(*args, **kwargs).arguments)
-            except TypeError:
+            bound = bind(args, kwargs)
+            if bound is None:
                 return original(*args, **kwargs)
             return self._call(api, original, args, kwargs, bound, ("q", "k", "v"))
 
@@ -333,20 +374,20 @@ class Recorder:
             ordinal = self._ordinal
             self._ordinal += 1
         layer = layer if layer is not None else ordinal
-        step = max(self._step, 0)
+        step = self._step
         storages: dict[int, int] = {}
         output = out[0] if isinstance(out, (tuple, list)) else out
         tensors = {name: tensor_meta(bound[key], storages) for name, key in zip(("q", "k", "v"), qkv)
                    if isinstance(bound.get(key), torch.Tensor)}
         if isinstance(output, torch.Tensor):
             tensors["out"] = tensor_meta(output, storages)
-        arguments = {k: describe_value(v, storages) for k, v in bound.items() if k not in qkv}
+        arguments = {k: describe_value(v, storages, self._small_values) for k, v in bound.items() if k not in qkv}
         meta = {"api": api, "index": index, "process": self._process, "rank": rank, "world_size": world,
                 "parallel": _parallel_sizes(),
                 "module": path, "layer": layer, "step": step, "tensors": tensors, "arguments": arguments,
                 "values": None}
         if te_module is not None:
-            meta["te"] = _te_choice()
+            meta["te"] = _te_choice(self._te_reasons)
         if self.selection.wants(layer, step, rank):
             meta["values"] = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound,
                                                qkv, output)
@@ -362,9 +403,12 @@ class Recorder:
         if isinstance(output, torch.Tensor):
             values["out"] = output
         for name, value in bound.items():  # masks and biases (integer tensors are in the metadata already)
-            if name not in qkv and isinstance(value, torch.Tensor) and (
-                    value.is_floating_point() or value.dtype == torch.bool):
-                values[f"arg.{name}"] = value
+            if name in qkv:
+                continue
+            parts = {f"arg.{name}": value} if not isinstance(value, (tuple, list)) else {  # TE's (q, kv) masks
+                f"arg.{name}.{i}": part for i, part in enumerate(value)}
+            values.update({key: t for key, t in parts.items() if isinstance(t, torch.Tensor) and (
+                t.is_floating_point() or t.dtype == torch.bool)})
         size = sum(t.numel() * t.element_size() for t in values.values())
         grad = isinstance(output, torch.Tensor) and output.requires_grad
         inputs = {name: values[name] for name in ("q", "k", "v") if name in values and values[name].requires_grad}
@@ -397,15 +441,16 @@ def _te_module_settings(module: Any) -> dict[str, Any]:
     names = ("qkv_format", "attn_mask_type", "window_size", "softmax_type", "num_attention_heads",
              "num_gqa_groups", "hidden_size_per_attention_head_k", "hidden_size_per_attention_head_v",
              "hidden_size_per_attention_head", "softmax_scale", "attention_type", "tp_size", "deterministic",
-             "layer_number", "cp_comm_type")
-    settings = {name: describe_value(getattr(module, name), {}) for name in names if hasattr(module, name)}
+             "layer_number", "cp_comm_type", "bottom_right_diagonal")
+    attributes = vars(module)  # plain attributes: nn.Module's __getattr__ makes each missing name cost microseconds
+    settings = {name: describe_value(attributes[name], {}) for name in names if name in attributes}
     if "softmax_scale" not in settings:  # TE keeps the scale on its backends (fused_attention, ...), not itself
         inner = getattr(getattr(module, "fused_attention", None), "softmax_scale", None)
         if isinstance(inner, (int, float)):
             settings["softmax_scale"] = inner
-    dropout = getattr(module, "attention_dropout", None)
+    dropout = attributes.get("attention_dropout")
     settings["attention_dropout"] = getattr(dropout, "p", dropout) if not isinstance(dropout, (int, float)) else dropout
-    group = getattr(module, "cp_group", None)
+    group = attributes.get("cp_group")
     with contextlib.suppress(Exception):
         settings["cp_size"] = torch.distributed.get_world_size(group) if group is not None else 1
     fp8 = (sys.modules.get("transformer_engine.pytorch.fp8")
@@ -413,24 +458,69 @@ def _te_module_settings(module: Any) -> dict[str, Any]:
     manager = getattr(fp8, "FP8GlobalStateManager", None)
     with contextlib.suppress(Exception):
         if manager is not None and manager.is_fp8_enabled():
-            settings["fp8_recipe"] = repr(manager.get_fp8_recipe())[:500]
+            recipe = manager.get_fp8_recipe()
+            settings["fp8_recipe"] = {
+                "type": type(recipe).__name__, "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),
+                "format": str(getattr(recipe, "fp8_format", "")).rpartition(".")[2] or None,
+                "margin": getattr(recipe, "margin", None), "repr": repr(recipe)[:500]}
     return settings
 
 
-def _te_choice() -> dict[str, Any]:
+def _te_choice(reasons: dict[int, tuple[Any, list[str]]]) -> dict[str, Any]:
     """The backend TE chose for the call just made, read from TE's own selection state and named as the TE
-    backend's rows name it (`attn_doctor.backends.te.describe_state`)."""
+    backend's rows name it (`attn_doctor.backends.te.describe_state`), and why: TE's own reasons, found once
+    per parameters object (finding them runs TE's selection again, which costs about as much as the call; TE
+    keeps its parameters object while they do not change). `reasons` holds the objects it keyed, so that their
+    ids are not reused while it knows them."""
     from attn_doctor.backends.te import describe_state
 
-    try:
-        dpa = importlib.import_module(
-            "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
-        state = dpa._attention_backends
-    except Exception:  # noqa: BLE001 - an older or newer TE: the choice is unknown, not an error
+    dpa = sys.modules.get("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
+    state = getattr(dpa, "_attention_backends", None)  # imported by the TE call just made, when TE has it
+    if not isinstance(state, dict):  # an older or newer TE: the choice is unknown, not an error
         return {"backend": "unknown (TE's selection state not readable)"}
     params = state.get("attention_params")
+    known = reasons.get(id(params))
+    if params is not None and (known is None or known[0] is not params):
+        if len(reasons) >= 64:
+            reasons.clear()
+        known = reasons[id(params)] = (params, _te_reasons(params))
     return {"backend": describe_state(state), "qkv_layout": getattr(params, "qkv_layout", None),
-            "deterministic": getattr(params, "deterministic", None)}
+            "deterministic": getattr(params, "deterministic", None), "reasons": known[1] if known else []}
+
+
+TE_REASONS = ("Disabling", "Available backends", "Selected backend")
+
+
+class _Caught(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _te_reasons(params: Any) -> list[str]:
+    """TE's account of its choice: its selection function run again on the same parameters with its debug log
+    caught (the "Disabling X due to ..." lines TE prints under NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2), nothing
+    printed and TE's logging left as it was."""
+    try:
+        utils = importlib.import_module("transformer_engine.pytorch.attention.dot_product_attention.utils")
+        settings = utils.AttentionLogging
+        logger = logging.getLogger("DotProductAttention")
+    except Exception as exc:  # noqa: BLE001 - an older or newer TE: no reasons, never a failed run
+        return [f"unreadable ({type(exc).__name__})"]
+    caught = _Caught()
+    saved = (settings._log_level, logger.level, logger.propagate, logger.handlers[:])
+    settings._log_level, logger.propagate, logger.handlers = logging.DEBUG, False, [caught]
+    try:
+        utils.get_attention_backend(params)
+    except Exception as exc:  # noqa: BLE001
+        caught.messages.append(f"unreadable ({type(exc).__name__}: {exc})")
+    finally:
+        settings._log_level, level, logger.propagate, logger.handlers = saved
+        logger.setLevel(level)
+    return [m[:500] for m in caught.messages if m.startswith(TE_REASONS + ("unreadable",))]
 
 
 def _write_env(path: Path) -> None:

@@ -1,12 +1,21 @@
 """Replaying captured calls: each distinct call becomes a case (its shapes, dtype, mask, window, lengths, kv
-heads) that names the call (`Case.replay`), fed the captured values when they were recorded (seeded ones
-otherwise) and, on the `captured` layout, the call's exact memory: every tensor a view with the captured
-shape, strides and storage offset into a storage of the captured size, q, k, v sharing one storage when they
-did. A path that takes another format than the captured call's gets the same values on the other layouts.
+heads, bias, softmax type and scale, FP8 recipe) that names the call (`Case.replay`), fed the captured values
+when they were recorded (seeded ones otherwise) and, on the `captured` layout, the call's exact memory: every
+tensor a view with the captured shape, strides and storage offset into a storage of the captured size, q, k, v
+sharing one storage when they did. A path that takes another format than the captured call's gets the same
+values on the other layouts.
 
-SDPA's boolean attn_mask (the same for every head) becomes an `arbitrary` mask whose source is the captured one.
-Calls this cannot express yet are named with the reason (`case_of` returns a string): float or per-head SDPA
-masks, dropout, a non-default softmax scale, TE biases and FP8.
+What each API's arguments mean here:
+- SDPA: a boolean attn_mask (True = attend) or a float one (its -inf entries mask, the rest is a bias) becomes
+  the case's captured `arbitrary` mask and `post_scale_bias`; is_causal is TE's top-left `causal`.
+- flash-attn: `causal` and windows are aligned bottom-right (`causal_bottom_right` when the lengths differ);
+  the varlen function's packed tensors are a thd call.
+- TE: a padding attention_mask gives the lengths (it must be right padding: TE's fused paths read only its
+  counts); an arbitrary one the captured mask; a thd call's cu_seqlens the lengths and its padded offsets each
+  sequence's slot (`captured_slots`), so the packed tensors come back token for token.
+Calls this cannot express are named with the reason (`case_of` returns a string): dropout, per-head masks,
+masks whose values were not captured, softcap, custom ALiBi slopes, packed qkv_layer arguments, KV caches,
+FP8 recipes other than delayed and current scaling, and tokens outside every sequence of a packed tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from typing import Any
 
 import torch
 
+from attn_doctor.core import layouts
 from attn_doctor.core.case import Case, make_case
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import QKV
@@ -48,11 +58,12 @@ def load_call(reference: str) -> CapturedCall:
 
 
 def native_format(call: CapturedCall) -> str:
-    """The layout of the call's q, k, v: SDPA's [b, h, s, d] (`bhsd`), flash-attn's bshd, TE's qkv_format."""
+    """The layout of the call's q, k, v: SDPA's [b, h, s, d] (`bhsd`), flash-attn's bshd (its varlen function's
+    thd), TE's qkv_format."""
     if call.meta["api"] == "torch.sdpa":
         return "bhsd"
     if call.meta["api"].startswith("flash_attn."):
-        return "bshd"
+        return "thd" if call.meta["api"].endswith("varlen_func") else "bshd"
     return _te_setting(call, "qkv_format") or "sbhd"
 
 
@@ -61,16 +72,17 @@ def _te_setting(call: CapturedCall, name: str) -> Any:
     return value if value is not None else call.meta["arguments"].get("module", {}).get(name)
 
 
-def _lengths(argument: Any) -> tuple[int, ...] | None:
-    if not isinstance(argument, dict) or "values" not in argument:
-        return None
-    offsets = argument["values"]
-    return tuple(b - a for a, b in zip(offsets, offsets[1:]))
+def _offsets(argument: Any) -> list[int] | None:
+    return list(argument["values"]) if isinstance(argument, dict) and "values" in argument else None
+
+
+def _lengths(offsets: list[int] | None) -> tuple[int, ...] | None:
+    return None if offsets is None else tuple(b - a for a, b in zip(offsets, offsets[1:]))
 
 
 def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
     """The case a captured call asks, or why it cannot be replayed yet."""
-    meta, args = call.meta, call.meta["arguments"]
+    meta = call.meta
     shapes = {name: meta["tensors"][name]["shape"] for name in ("q", "k", "v") if name in meta["tensors"]}
     if set(shapes) != {"q", "k", "v"}:
         return "q, k and v were not all tensors"
@@ -78,68 +90,246 @@ def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
     if dtype is None:
         return f"dtype {meta['tensors']['q']['dtype']} (attn-doctor checks bf16, fp16, fp32)"
     fields: dict[str, Any] = dict(dtype=dtype, seed=seed, replay=reference_of(root, call))
-    fmt = native_format(call)
-    if meta["api"] == "torch.sdpa":
-        if args.get("attn_mask") is not None:
-            reason = _mask_unsupported(call)
-            if reason:
-                return reason
-            fields.update(mask_source="captured")
-        if args.get("dropout_p"):
-            return f"dropout {args['dropout_p']} (attn-doctor compares deterministic calls)"
-        scale = args.get("scale")
-        (b, h, s, d), (_, hkv, skv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
-        mask = "arbitrary" if "mask_source" in fields else "causal" if args.get("is_causal") else "no_mask"
-        fields.update(mask=mask, qkv_format="bshd")
-    elif meta["api"].startswith("flash_attn.") and meta["api"].endswith("flash_attn_func"):
-        if args.get("dropout_p"):
-            return f"dropout {args['dropout_p']} (attn-doctor compares deterministic calls)"
-        scale = args.get("softmax_scale")
-        (b, s, h, d), (_, skv, hkv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
-        window = args.get("window_size")
-        fields.update(mask="causal" if args.get("causal") else "no_mask", qkv_format="bshd")
-        if window is not None and list(window) != [-1, -1]:
-            fields["window"] = tuple(window)
-    elif meta["api"] == "te.DotProductAttention":
-        module = args.get("module", {})
-        if args.get("core_attention_bias_type") not in (None, "no_bias") or args.get("attention_mask") is not None:
-            return "a TE bias or explicit attention_mask (not replayed yet)"
-        if module.get("fp8_recipe"):
-            return "FP8 (not replayed yet)"
-        if args.get("bottom_right_diagonal") is not None or args.get("qkv_layer") is not None or args.get(
-                "kv_layer") is not None:
-            return "bottom_right_diagonal or packed qkv_layer/kv_layer arguments (not replayed yet)"
-        if module.get("attention_dropout"):
-            return f"dropout {module['attention_dropout']} (attn-doctor compares deterministic calls)"
-        scale = module.get("softmax_scale")
-        mask = _te_setting(call, "attn_mask_type") or "causal"
-        window = _te_setting(call, "window_size")
-        fields.update(mask=mask, qkv_format=fmt, softmax=module.get("softmax_type") or "vanilla")
-        if window is not None and list(window) not in ([-1, -1], [-1, 0]):
-            fields["window"] = tuple(window)
-        lengths_q, lengths_kv = _lengths(args.get("cu_seqlens_q")), _lengths(args.get("cu_seqlens_kv"))
-        if fmt == "thd":
-            if lengths_q is None:
-                return "thd without cu_seqlens_q"
-            (_, h, d), (_, hkv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
-            b, s = len(lengths_q), args.get("max_seqlen_q") or max(lengths_q)
-            skv = args.get("max_seqlen_kv") or max(lengths_kv or lengths_q)
-        else:
-            order = (1, 0) if fmt == "sbhd" else (0, 1)
-            b, s = (shapes["q"][i] for i in order)
-            skv = shapes["k"][order[1]]
-            h, d, hkv, dv = shapes["q"][2], shapes["q"][3], shapes["k"][2], shapes["v"][3]
-        if mask.startswith("padding") and lengths_q is not None:
-            fields.update(seqlens=lengths_q, **({"seqlens_kv": lengths_kv} if lengths_kv != lengths_q else {}))
+    api = meta["api"]
+    if api == "torch.sdpa":
+        reason = _sdpa_fields(call, shapes, fields)
+    elif api in ("flash_attn.flash_attn_func", "flash_attn.flash_attn_varlen_func"):
+        reason = _flash_fields(call, shapes, fields)
+    elif api == "te.DotProductAttention":
+        reason = _te_fields(call, shapes, fields)
     else:
-        return f"{meta['api']} (not replayed yet)"
-    if scale is not None and not math.isclose(scale, d ** -0.5, rel_tol=1e-6):
-        return f"softmax scale {scale} (attn-doctor uses 1/sqrt(head_dim) = {d ** -0.5:.6g})"
-    fields.update(batch=b, seq=s, seq_kv=skv, heads=h, kv_heads=hkv, head_dim=d, head_dim_v=dv)
+        reason = f"{api} (not replayed yet)"
+    if reason is not None:
+        return reason
     try:
         return make_case(**fields)
     except BadInput as exc:
         return str(exc)
+
+
+def _sdpa_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
+    """SDPA: [b, h, s, d] tensors; is_causal is top-left (TE's `causal`); attn_mask is a boolean mask (True =
+    attend) or an additive float one, whose -inf entries are its mask and the rest its bias."""
+    args = call.meta["arguments"]
+    if args.get("dropout_p"):
+        return f"dropout {args['dropout_p']} (attn-doctor compares deterministic calls)"
+    (b, h, s, d), (_, hkv, skv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
+    fields.update(batch=b, seq=s, seq_kv=skv, heads=h, kv_heads=hkv, head_dim=d, head_dim_v=dv, qkv_format="bshd",
+                  mask="causal" if args.get("is_causal") else "no_mask", scale=args.get("scale"))
+    if args.get("attn_mask") is None:
+        return None
+    mask = _captured_tensor(call, "attn_mask")
+    if isinstance(mask, str):
+        return mask
+    hidden = ~mask if mask.dtype == torch.bool else mask == -math.inf
+    if hidden.any():
+        if _per_head(hidden):
+            return "a per-head attn_mask (attn-doctor's explicit mask is the same for every head)"
+        fields.update(mask="arbitrary", mask_source="captured")
+    if mask.is_floating_point() and bool(mask.masked_fill(hidden, 0).ne(0).any()):
+        fields["bias"] = f"post_scale_bias:{_bias_shape(mask.shape)}"
+    return None
+
+
+def _flash_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
+    """flash-attn: bshd tensors (varlen: thd with cu_seqlens); `causal` and the window are aligned to the
+    bottom-right corner of each sequence's scores (flash-attn >= 2.1), TE's `*_bottom_right` masks."""
+    args = call.meta["arguments"]
+    if args.get("dropout_p"):
+        return f"dropout {args['dropout_p']} (attn-doctor compares deterministic calls)"
+    for name in ("alibi_slopes", "block_table"):
+        if args.get(name) is not None:
+            return f"flash-attn's {name} (not replayed yet)"
+    if args.get("softcap"):
+        return f"softcap {args['softcap']} (attn-doctor checks uncapped scores)"
+    causal = bool(args.get("causal"))
+    window = args.get("window_size")
+    if window is not None and list(window) != [-1, -1]:
+        fields["window"] = tuple(window)
+    fields["scale"] = args.get("softmax_scale")
+    if call.meta["api"].endswith("varlen_func"):
+        reason = _thd_fields(call, shapes, fields, args.get("cu_seqlens_q"), args.get("cu_seqlens_k"), None, None,
+                             args.get("max_seqlen_q"), args.get("max_seqlen_k"))
+        if reason is not None:
+            return reason
+        same = fields["seqlens"] == fields.get("seqlens_kv", fields["seqlens"])
+        fields["mask"] = ("padding_causal" if same else "padding_causal_bottom_right") if causal else "padding"
+        return None
+    (b, s, h, d), (_, skv, hkv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
+    fields.update(batch=b, seq=s, seq_kv=skv, heads=h, kv_heads=hkv, head_dim=d, head_dim_v=dv, qkv_format="bshd",
+                  mask=("causal" if s == skv else "causal_bottom_right") if causal else "no_mask")
+    return None
+
+
+def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
+    """TE's DotProductAttention: its format, mask type (lengths from cu_seqlens, or from a padding
+    attention_mask's values), window, bias, softmax type, scale and FP8 recipe."""
+    args, module = call.meta["arguments"], call.meta["arguments"].get("module", {})
+    if args.get("qkv_layer") is not None or args.get("kv_layer") is not None:
+        return "packed qkv_layer/kv_layer arguments (not replayed yet)"
+    if args.get("inference_params") is not None:
+        return "a KV cache (inference_params: attn-doctor checks training calls)"
+    if module.get("attention_dropout"):
+        return f"dropout {module['attention_dropout']} (attn-doctor compares deterministic calls)"
+    fp8, reason = _fp8_recipe(module.get("fp8_recipe"))
+    if reason is not None:
+        return reason
+    fmt = native_format(call)
+    mask = _te_setting(call, "attn_mask_type") or "causal"
+    window = _te_setting(call, "window_size")
+    fields.update(mask=mask, qkv_format=fmt, softmax=module.get("softmax_type") or "vanilla", fp8=fp8,
+                  scale=module.get("softmax_scale"))
+    if window is not None and list(window) not in ([-1, -1], [-1, 0]):
+        fields["window"] = tuple(window)
+    bias_type = args.get("core_attention_bias_type") or "no_bias"
+    if bias_type == "post_scale_bias" and isinstance(args.get("core_attention_bias"), dict):
+        fields["bias"] = f"post_scale_bias:{_bias_shape(args['core_attention_bias']['tensor']['shape'])}"
+    elif bias_type == "alibi":
+        if args.get("alibi_slopes") is not None:
+            return "ALiBi with its own slopes (attn-doctor uses TE's default slopes)"
+        fields["bias"] = "alibi"
+    elif bias_type != "no_bias":
+        return f"core_attention_bias_type {bias_type} (not replayed yet)"
+    if _te_setting(call, "bottom_right_diagonal") is False and mask not in ("causal", "padding_causal") and (
+            "window" in fields or bias_type == "alibi"):
+        return "bottom_right_diagonal=False with a window or ALiBi (attn-doctor aligns them as TE's default does)"
+    if fmt == "thd":
+        return _thd_fields(call, shapes, fields, args.get("cu_seqlens_q"), args.get("cu_seqlens_kv"),
+                           args.get("cu_seqlens_q_padded"), args.get("cu_seqlens_kv_padded"),
+                           args.get("max_seqlen_q"), args.get("max_seqlen_kv"))
+    order = (1, 0) if fmt == "sbhd" else (0, 1)
+    b, s = (shapes["q"][i] for i in order)
+    fields.update(batch=b, seq=s, seq_kv=shapes["k"][order[1]], heads=shapes["q"][2], head_dim=shapes["q"][3],
+                  kv_heads=shapes["k"][2], head_dim_v=shapes["v"][3])
+    if mask == "arbitrary":
+        allowed = _te_arbitrary_mask(call)
+        if isinstance(allowed, str):
+            return allowed
+        fields["mask_source"] = "captured"
+    elif mask.startswith("padding"):
+        lengths = _te_padding_lengths(call)
+        if isinstance(lengths, str):
+            return lengths
+        lengths_q, lengths_kv = lengths
+        fields.update(seqlens=lengths_q, **({"seqlens_kv": lengths_kv} if lengths_kv != lengths_q else {}))
+    return None
+
+
+def _thd_fields(call: CapturedCall, shapes: dict, fields: dict, cu_q: Any, cu_kv: Any, padded_q: Any,
+                padded_kv: Any, max_q: int | None, max_kv: int | None) -> str | None:
+    """A packed call's sequences: lengths from cu_seqlens, slots from the padded offsets; every token of the
+    packed tensors must sit in a sequence's slot."""
+    sides = {}
+    for side, cu, padded, tokens, longest in (("q", cu_q, padded_q, shapes["q"][0], max_q),
+                                              ("kv", cu_kv or cu_q, padded_kv or padded_q, shapes["k"][0], max_kv)):
+        offsets, slot_offsets = _offsets(cu), _offsets(padded)
+        if offsets is None:
+            return f"thd without the values of cu_seqlens_{side}"
+        slot_offsets = slot_offsets or offsets
+        lengths, slots = _lengths(offsets), _lengths(slot_offsets)
+        if len(slots) != len(lengths) or slot_offsets[0] != 0 or any(n > m for n, m in zip(lengths, slots)):
+            return f"cu_seqlens_{side}_padded {slot_offsets} that do not hold the sequences {offsets}"
+        if slot_offsets[-1] != tokens:
+            return (f"{tokens} {side} tokens, {slot_offsets[-1]} of them in sequences (tokens past the last sequence "
+                    "are not replayed yet)")
+        sides[side] = (lengths, slots, max(longest or 0, max(slots, default=0), 1))
+    (lengths_q, slots_q, seq), (lengths_kv, slots_kv, seq_kv) = sides["q"], sides["kv"]
+    (_, h, d), (_, hkv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
+    fields.update(batch=len(lengths_q), seq=seq, seq_kv=seq_kv, heads=h, kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                  qkv_format="thd", seqlens=lengths_q, pad_between_seqs=slots_q != lengths_q or slots_kv != lengths_kv)
+    if lengths_kv != lengths_q or seq_kv != seq:
+        fields["seqlens_kv"] = lengths_kv
+    return None
+
+
+def captured_slots(case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A replayed thd call's slots (query side, key side): its padded offsets' differences."""
+    call = load_call(case.replay)
+    args = call.meta["arguments"]
+    names = (("cu_seqlens_q_padded", "cu_seqlens_q"), ("cu_seqlens_kv_padded", "cu_seqlens_kv")) if (
+        call.meta["api"] == "te.DotProductAttention") else ((None, "cu_seqlens_q"), (None, "cu_seqlens_k"))
+    q_offsets = _offsets(args.get(names[0][0])) or _offsets(args.get(names[0][1]))
+    kv_offsets = (_offsets(args.get(names[1][0])) or _offsets(args.get(names[1][1])) or
+                  _offsets(args.get(names[0][0])) or q_offsets)
+    return _lengths(q_offsets), _lengths(kv_offsets)
+
+
+def _fp8_recipe(recipe: Any) -> tuple[str, str | None]:
+    """attn-doctor's FP8 recipe for TE's (as the capture recorded it), or why it is not one attn-doctor runs.
+    FP8 attention needs fp8_dpa: under any other recipe TE's attention runs in the inputs' dtype."""
+    if not recipe:
+        return "none", None
+    if not isinstance(recipe, dict):
+        return "none", "FP8 recorded by an older attn-doctor (capture again to replay it)"
+    if not recipe.get("fp8_dpa"):
+        return "none", None
+    kind = {"DelayedScaling": "delayed", "Float8CurrentScaling": "current"}.get(recipe.get("type"))
+    if kind is None:
+        return "none", f"FP8 recipe {recipe.get('type')} (attn-doctor runs DelayedScaling and Float8CurrentScaling)"
+    if recipe.get("format") not in (None, "HYBRID") or recipe.get("margin") not in (None, 0):
+        return "none", (f"FP8 format {recipe.get('format')}, margin {recipe.get('margin')} (attn-doctor runs "
+                        "TE's default HYBRID, margin 0)")
+    return kind, None
+
+
+def _bias_shape(shape: list[int]) -> str:
+    """TE's name for the shape of an additive bias [b|1, h|1, s|1, s_kv] (SDPA's float masks broadcast like
+    it), widened to the nearest shape TE takes (b11s as b1ss: the captured values are expanded)."""
+    shape = [1] * (4 - len(shape)) + list(shape)
+    name = "".join(c if n > 1 else "1" for c, n in zip("bhs", shape[:3])) + "s"
+    return {"b11s": "b1ss", "1h1s": "1hss", "bh1s": "bhss"}.get(name, name)
+
+
+def _per_head(hidden: torch.Tensor) -> bool:
+    full = hidden.reshape([1] * (4 - hidden.dim()) + list(hidden.shape))
+    return full.shape[1] > 1 and bool((full != full[:, :1]).any())
+
+
+def _captured_tensor(call: CapturedCall, name: str) -> torch.Tensor | str:
+    """An argument's captured values, or why they are missing."""
+    if call.values_path is None:
+        return f"{'an' if name[0] in 'aeiou' else 'a'} {name} whose values were not captured (capture with --values)"
+    values = load_values(call.values_path)
+    if f"arg.{name}" in values:
+        return values[f"arg.{name}"]
+    parts = [values[key] for key in sorted(values) if key.startswith(f"arg.{name}.")]
+    return parts if parts else f"{name} whose values were not captured"
+
+
+def _te_arbitrary_mask(call: CapturedCall) -> torch.Tensor | str:
+    """TE's arbitrary attention_mask (True = masked out) as the pairs it lets through."""
+    mask = _captured_tensor(call, "attention_mask")
+    if isinstance(mask, str):
+        return mask
+    if isinstance(mask, list) or mask.dtype != torch.bool:
+        return "an arbitrary attention_mask that is not one boolean tensor"
+    if _per_head(mask):
+        return "a per-head attention_mask (attn-doctor's explicit mask is the same for every head)"
+    return ~mask
+
+
+def _te_padding_lengths(call: CapturedCall) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """The sequence lengths of a padded sbhd/bshd TE call: from cu_seqlens, or from its attention_mask (one
+    [b, 1, 1, s] mask, or one for the queries and one for the keys; True = padding). TE's fused and flash paths
+    read only how many tokens each mask lets through, so a mask must be right padding to mean one call."""
+    args = call.meta["arguments"]
+    lengths_q = _lengths(_offsets(args.get("cu_seqlens_q")))
+    if lengths_q is not None:
+        return lengths_q, _lengths(_offsets(args.get("cu_seqlens_kv"))) or lengths_q
+    if args.get("attention_mask") is None:
+        return "a padding mask without cu_seqlens or attention_mask"
+    masks = _captured_tensor(call, "attention_mask")
+    if isinstance(masks, str):
+        return masks
+    masks = masks if isinstance(masks, list) else [masks, masks]
+    lengths = []
+    for mask in masks:
+        kept = ~mask.reshape(mask.shape[0], -1)
+        counts = kept.sum(-1)
+        if not torch.equal(kept, torch.arange(kept.shape[1])[None, :] < counts[:, None]):
+            return "a padding attention_mask that is not right padding (TE's fused paths read only its counts)"
+        lengths.append(tuple(int(n) for n in counts))
+    return lengths[0], lengths[1]
 
 
 def case_of_reference(reference: str) -> Case:
@@ -151,42 +341,95 @@ def case_of_reference(reference: str) -> Case:
     return case
 
 
-def _mask_unsupported(call: CapturedCall) -> str | None:
-    """Why SDPA's attn_mask of this call cannot be replayed (None: it can: a boolean mask, the same for every
-    head, whose values were captured)."""
-    tensor = call.meta["arguments"]["attn_mask"].get("tensor", {})
-    if tensor.get("dtype") != "bool":
-        return "a float attn_mask (an additive bias: not replayed yet)"
-    shape = [1] * (4 - len(tensor["shape"])) + tensor["shape"]
-    if shape[1] != 1:
-        return "a per-head attn_mask (not replayed yet)"
-    if call.values_path is None:
-        return "an attn_mask whose values were not captured (capture with --values)"
-    return None
-
-
 def captured_mask(case: Case, device: torch.device) -> torch.Tensor:
-    """The call's attn_mask as attn-doctor's allowed pairs [b, 1, s, s_kv] (SDPA's True = attend)."""
+    """The call's explicit mask as attn-doctor's allowed pairs [b, 1, s, s_kv] (True = attend): SDPA's boolean
+    attn_mask, the finite entries of its float one, or the complement of TE's arbitrary attention_mask."""
     call = load_call(case.replay)
-    mask = load_values(call.values_path)["arg.attn_mask"].to(device)
-    mask = mask.reshape([1] * (4 - mask.dim()) + list(mask.shape))
-    return mask.expand(case.batch, 1, case.seq, case.seq_k).clone()
+    if call.meta["api"] == "te.DotProductAttention":
+        allowed = _te_arbitrary_mask(call)
+    else:
+        mask = load_values(call.values_path)["arg.attn_mask"]
+        allowed = mask if mask.dtype == torch.bool else mask != -math.inf
+    allowed = allowed.to(device)
+    allowed = allowed.reshape([1] * (4 - allowed.dim()) + list(allowed.shape))[:, :1]
+    return allowed.expand(case.batch, 1, case.seq, case.seq_k).clone()
 
 
-def _to_bshd(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    return {"bhsd": lambda x: x.transpose(1, 2), "bshd": lambda x: x, "sbhd": lambda x: x.transpose(0, 1)}[fmt](t)
+def captured_bias(case: Case, device: torch.device) -> torch.Tensor | None:
+    """The call's additive bias in the shape of `case.bias` and the inputs' dtype (SDPA's float attn_mask
+    with its -inf entries zeroed, or TE's core_attention_bias), or None when its values were not recorded
+    (a seeded bias of its shape stands in, as seeded q, k, v do)."""
+    call = load_call(case.replay)
+    name = "core_attention_bias" if call.meta["api"] == "te.DotProductAttention" else "attn_mask"
+    bias = _captured_tensor(call, name)
+    if not isinstance(bias, torch.Tensor):
+        return None
+    bias = bias.masked_fill(bias == -math.inf, 0).to(device)
+    bias = bias.reshape([1] * (4 - bias.dim()) + list(bias.shape))
+    code = case.bias.partition(":")[2]
+    sizes = {"1": 1, "b": case.batch, "h": case.heads}
+    shape = (sizes[code[0]], sizes[code[1]], case.seq if code[2] == "s" else 1, case.seq_k)
+    return bias.expand(shape).to(TORCH_DTYPES[case.dtype]).clone()
 
 
 def captured_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...] | None:
-    """q, k, v and dout (bshd, on `device`) as the call saw them, or None when its values were not recorded
-    (or are not in a padded format: thd values are not replayed yet)."""
+    """q, k, v and dout (bshd, on `device`) as the call saw them, or None when the plain seeded inputs stand in.
+
+    - Recorded values come back as they were; a packed (thd) call's tokens at their sequences' places in the
+      padded tensors, slot padding too. A call whose backward was not recorded gets a seeded output gradient.
+    - Without values, q, k, v that share a storage are read through their views from one seeded storage, so
+      views that alias (q is k, overlapping slices) hold the same numbers, as they did in the run."""
     call = load_call(case.replay)
     fmt = native_format(call)
-    if call.values_path is None or call.dout_path is None or fmt == "thd":
+    if call.values_path is not None:
+        values = load_values(call.values_path)
+        q, k, v = values["q"], values["k"], values["v"]
+    elif _shares_storage(call):
+        q, k, v = _seeded_through_storages(case, call)
+    else:
         return None
-    values, dout = load_values(call.values_path), load_values(call.dout_path)["dout"]
-    dout = with_heads(dout, values["q"])
-    return tuple(_to_bshd(t, fmt).to(device) for t in (values["q"], values["k"], values["v"], dout))
+    packed = layouts.packing(case) if fmt == "thd" else None
+    q, k, v = (as_bshd(t.to(device), fmt, packed, side) for t, side in ((q, "q"), (k, "kv"), (v, "kv")))
+    if call.dout_path is not None:
+        dout = as_bshd(with_heads(load_values(call.dout_path)["dout"], values["q"]).to(device), fmt, packed, "q")
+    else:
+        generator = torch.Generator(device=device).manual_seed(case.seed + 1)
+        dout = torch.randn(case.batch, case.seq, case.heads, case.d_v, generator=generator,
+                           device=device).to(TORCH_DTYPES[case.dtype])
+    return q, k, v, dout
+
+
+def values_source(call: CapturedCall) -> str:
+    """Where a replay of the call takes its numbers from, in words (`captured_inputs`)."""
+    if call.values_path is not None:
+        return "captured values" if call.dout_path is not None else "captured q, k, v, seeded output gradient"
+    return "seeded values" + (" (through the shared storage)" if _shares_storage(call) else "")
+
+
+def _shares_storage(call: CapturedCall) -> bool:
+    ids = [call.meta["tensors"][name]["storage"]["id"] for name in "qkv"]
+    return len(set(ids)) < 3
+
+
+def _seeded_through_storages(case: Case, call: CapturedCall) -> list[torch.Tensor]:
+    """q, k, v read through the call's views from standard-normal storages of the captured sizes (seeded)."""
+    generator = torch.Generator().manual_seed(case.seed)
+    dtype = TORCH_DTYPES[case.dtype]
+    element = torch.empty((), dtype=dtype).element_size()
+    storages: dict[int, torch.Tensor] = {}
+    views = []
+    for name in "qkv":
+        meta = call.meta["tensors"][name]
+        sid = meta["storage"]["id"]
+        if sid not in storages:
+            storages[sid] = torch.randn(meta["storage"]["nbytes"] // element, generator=generator).to(dtype)
+        views.append(storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"]).clone())
+    return views
+
+
+def as_bshd(t: torch.Tensor, fmt: str, packed: layouts.Packing | None = None, side: str = "q") -> torch.Tensor:
+    """A captured tensor in its call's format (`native_format`) as bshd (thd: scattered by `packed`)."""
+    return t.transpose(1, 2) if fmt == "bhsd" else layouts.to_bshd(t, fmt, packed, side)
 
 
 def with_heads(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -197,30 +440,30 @@ def with_heads(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str) -> QKV:
     """q, k, v (bshd values) as views with the call's exact shapes, strides and storage offsets into storages
     of the captured sizes, presented in `fmt` (SDPA's bhsd views are presented as their bshd transposes, so a
-    path that takes bshd and transposes, as SDPA's do, hands the kernel the captured views)."""
+    path that takes bshd and transposes, as SDPA's do, hands the kernel the captured views; a packed call's
+    views hold its tokens where the capture had them)."""
     from attn_doctor.backends import Unsupported
 
     call = load_call(case.replay)
     native = native_format(call)
     presented = "bshd" if native == "bhsd" else native
-    if native == "thd":
-        raise Unsupported("a captured thd call's packed views are not rebuilt yet (its contiguous row has its shapes)")
     if presented != fmt:
         raise Unsupported(f"the captured views are {native}; this path takes {fmt} (its other layouts have the "
                           "same values)")
+    packed = layouts.packing(case) if native == "thd" else None
     storages: dict[int, torch.Tensor] = {}
     views = []
     dtype = TORCH_DTYPES[case.dtype]
     element = torch.empty((), dtype=dtype).element_size()
-    for name, values in (("q", q), ("k", k), ("v", v)):
+    for name, values, side in (("q", q, "q"), ("k", k, "kv"), ("v", v, "kv")):
         meta = call.meta["tensors"][name]
         sid = meta["storage"]["id"]
         if sid not in storages:
             storages[sid] = torch.zeros(meta["storage"]["nbytes"] // element, dtype=dtype, device=q.device)
         view = storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"])
         with torch.no_grad():
-            view.copy_(values.permute(0, 2, 1, 3) if native == "bhsd" else values.transpose(0, 1)
-                       if native == "sbhd" else values)
+            view.copy_(values.permute(0, 2, 1, 3) if native == "bhsd" else layouts.to_format(values, native, packed,
+                                                                                              side))
         views.append(view)
     leaves = {sid: buffer.requires_grad_() for sid, buffer in storages.items()}
     views = [leaves[call.meta["tensors"][name]["storage"]["id"]].as_strided(

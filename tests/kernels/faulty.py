@@ -88,3 +88,8 @@ def ignores_strides(q, k, v, *, causal: bool, softmax_scale: float):
     """Correct on contiguous inputs; on views it reads the wrong elements."""
     q, k, v = (_as_if_contiguous(t) for t in (q, k, v))
     return attention_fp32(q, k, v, causal, softmax_scale).to(q.dtype)
+
+
+def scale_blind(q, k, v, *, causal: bool, softmax_scale: float):
+    """Right at 1/sqrt(head_dim), wrong at any other softmax scale: it never reads the one it is given."""
+    return attention_fp32(q, k, v, causal, q.shape[-1] ** -0.5).to(q.dtype)
