@@ -417,24 +417,35 @@ def test_markdown_table_survives_crlf_in_a_reason(render, doc, tmp_path):
     assert len(body) == 9
 
 
-def test_markdown_of_a_large_sweep_fits_githubs_limit_and_says_what_it_left_out(render, doc, tmp_path):
-    from attn_doctor.render.markdown import GITHUB_LIMIT
+def test_markdown_of_a_large_sweep_fits_githubs_limit_and_says_what_it_folded(render, doc, tmp_path):
+    """400 cases' worth of the fixture's rows: the passing and skipped rows are folded into counts per
+    backend, the failing rows stay whole (as many as fit, the rest counted), and the page fits GitHub's limit."""
+    from attn_doctor.render.markdown import GITHUB_LIMIT, results_markdown
+    from attn_doctor.results.log import load_results
 
     document = copy.deepcopy(doc)
     rows = document["results"]
     document["results"] = [dict(copy.deepcopy(row), case={**row["case"], "seed": seed})
-                           for seed in range(400) for row in rows]  # 400 cases' worth of the fixture's rows
+                           for seed in range(400) for row in rows]
     md = render(write_doc(tmp_path / "large.json", document), "markdown")
     assert len(md) <= GITHUB_LIMIT
     header, body = md_table(md, "backend", "ran")  # still one well-formed results table
-    from attn_doctor.render.markdown import results_markdown
-    from attn_doctor.results.log import load_results
-
-    whole_table = results_markdown(load_results(tmp_path / "large.json")[0].rows).count("\n") - 1
-    left_out = [int(n) for n in re.findall(r"_… and (\d+) more, left out", md)]
-    assert len(body) + left_out[0] == whole_table  # the results table is the first list cut
     verdicts = [cell_text(cells[-1]).strip("*\x00") for cells in body]
-    assert verdicts[0] in FAILING and "PASS" not in verdicts[: verdicts.count("FAIL") + verdicts.count("ERROR")]
+    assert set(verdicts) <= set(FAILING)  # failing rows only, each whole
+    assert all(cells[header.index("dQ err (×base)")] for cells, v in zip(body, verdicts) if v == "FAIL")
+    report = load_results(tmp_path / "large.json")[0]
+    failing_table = results_markdown(report.rows, only_failing=True).count("\n") - 1
+    left_out = [int(n) for n in re.findall(r"_… and (\d+) more, left out", md)]
+    assert len(body) + left_out[0] == failing_table == 5 * 400  # the failing rows are the first list cut
+    calls = [row for row in report.rows if row.coords.params().get("probe") != "depth"]
+    folded = sum(1 for row in calls if row.verdict not in FAILING)
+    assert f"_{folded} passing and skipped rows are folded into these counts" in md
+    counts_header, counts = md_table(md, "backend", "PASS")
+    totals = {cells[0]: [int(c) for c in cells[1:]] for cells in counts}
+    for backend in {row.backend for row in calls}:
+        mine = [row for row in calls if row.backend == backend]
+        assert totals[md_escape(backend)] == [sum(1 for r in mine if r.verdict == v)
+                                              for v in counts_header[1:]], backend
 
 
 def test_markdown_of_a_small_report_leaves_nothing_out(render):
@@ -455,11 +466,15 @@ def test_reproduce_commands_are_shell_safe(report):
         assert shlex.join(shlex.split(command)) == command, command
 
 
-def test_markdown_embeds_the_depth_plot_when_it_exists(render, plot_dir):
+def test_markdown_names_the_depth_plot_to_attach_when_it_exists(render, plot_dir):
+    """A relative link breaks once the markdown is pasted, and GitHub shows no data: URI in an issue: the
+    plot is named, with its path, for attaching."""
     md = render(plot_dir, "markdown")  # a run folder, as a sweep directory is given
-    assert "![dQ error against depth](depth.png)" in md
-    assert md.index("### dQ against depth") < md.index("![dQ error against depth]") < md.index("### Reproduce")
-    assert "![" not in render(DATA, "markdown")  # no depth.png beside tests/data/results-fixed.json
+    note = next(line for line in md.splitlines() if "depth.png" in line)
+    assert note.startswith("_The plot of dQ error against depth is not embedded: attach depth.png (")
+    assert md.index("### dQ against depth") < md.index(note) < md.index("### Reproduce")
+    assert "![" not in md and "](depth.png)" not in md
+    assert "depth.png" not in render(DATA, "markdown")  # no depth.png beside tests/data/results-fixed.json
 
 
 # --- HTML ---------------------------------------------------------------------------------------------------

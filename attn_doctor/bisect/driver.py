@@ -18,6 +18,7 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.execution.session import Session
 from attn_doctor.results.row import Row
+from attn_doctor.verdict.diagnosis import first_wrong
 from attn_doctor.verdict.rule import FAIL, MULTIPLE, PASS, SKIP
 
 
@@ -45,13 +46,33 @@ class BisectReport:
     diagnosis: dict
     repro: Path
     env: Any
+    # The judged rows `report` shows (`attn_doctor.results.bisect_record`): the start's and the minimal case's,
+    # each with its baseline, and the correct path the minimal case was checked on.
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    command: str = ""
+    tool_version: str = ""
+    created: str = ""
 
     def to_dict(self) -> dict:
-        document = self.result.to_dict()
+        from attn_doctor.results import bisect_record
+
+        document = {"format": bisect_record.BISECT_FORMAT, "format_version": bisect_record.BISECT_FORMAT_VERSION,
+                    "tool_version": self.tool_version, "created": self.created, "command": self.command,
+                    **self.result.to_dict()}
         document["backend"] = self.result.start.backend.name
+        document["backend_spec"] = self.result.start.backend.to_dict()
         document["diagnosis"] = self.diagnosis
         document["repro"] = str(self.repro)
+        document["env"] = self.env.to_dict() if self.env is not None else None
+        document["results"] = [row.to_dict() for row in self.rows]
         return document
+
+    @property
+    def file_name(self) -> str:
+        """bisect_<backend>_<short-id of the start>.json: the document's name in the bisect's folder."""
+        from attn_doctor.bisect.repro import repro_name
+
+        return repro_name(self.result.start).replace("repro_", "bisect_", 1).removesuffix(".py") + ".json"
 
 
 def start_from_results(path: Path, index: int) -> tuple[Coords, Path]:
@@ -59,7 +80,7 @@ def start_from_results(path: Path, index: int) -> tuple[Coords, Path]:
     from attn_doctor.results.log import load_results
 
     report, directory = load_results(path)
-    failing = [r for r in report.rows if r.verdict in ("FAIL", "ERROR") and not r.internal]
+    failing = report.failing_rows
     if not failing:
         raise BadInput(f"{path} has no failing row to start from; every path passed there")
     if not 0 <= index < len(failing):
@@ -75,6 +96,19 @@ def probe_row(session: Session, coords: Coords) -> Row:
     """The row of one probe, judged against its baseline (run alongside unless it is the baseline)."""
     baseline = coords.baseline_coords(BASELINE)
     return session.run([coords] if coords == baseline else [baseline, coords])[-1]
+
+
+class RecordingSession:
+    """A session that keeps the last row run at each coordinates (what the bisect document records)."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.rows: dict[Coords, Row] = {}
+
+    def run(self, coords: list[Coords]) -> list[Row]:
+        rows = self.session.run(coords)
+        self.rows.update(zip(coords, rows))
+        return rows
 
 
 def outcome_of(row: Row) -> Outcome:
@@ -140,13 +174,8 @@ def diagnose(session: Session, result: BisectResult) -> dict:
         single_verdict, failing = single.verdict, single.failing_tensors
     else:  # the minimal case is one call already, and the bisector probed it
         single_verdict, failing = result.minimal_outcome.verdict, list(result.minimal_outcome.tensors)
-    if "out" in failing:
-        first_wrong = "forward (out is already wrong)"
-    elif failing:
-        first_wrong = f"backward (out is right; {', '.join(failing)} wrong)"
-    else:
-        first_wrong = "neither in one call: the fault shows only through the stack"
-    diagnosis = {"first_wrong": first_wrong, "single_call_verdict": single_verdict}
+    diagnosis = {"first_wrong": first_wrong(failing) if failing else
+                 "neither in one call: the fault shows only through the stack", "single_call_verdict": single_verdict}
     if minimal.layers:
         errors = result.minimal_outcome.extra.get("dq_rel_err_by_layer", [])
         baseline = result.minimal_outcome.extra.get("baseline_dq_rel_err_by_layer", [])
@@ -157,9 +186,20 @@ def diagnose(session: Session, result: BisectResult) -> dict:
     return diagnosis
 
 
+def recorded_rows(result: BisectResult, seen: dict[Coords, Row]) -> list[Row]:
+    """The rows a bisect document keeps: the start's and the minimal case's, each with its baseline, then the
+    correct path the minimal case was checked on."""
+    wanted = [result.start, result.minimal]
+    wanted = [c for config in dict.fromkeys(wanted) for c in (config.baseline_coords(BASELINE), config)]
+    control = dataclasses.replace(result.minimal, backend=control_spec(result.start.backend))
+    return [seen[c] for c in dict.fromkeys([*wanted, control]) if c in seen]
+
+
 def bisect(request: BisectRequest, progress: ProgressSink | None = None) -> BisectReport:
     """Bisect from the request's start; NothingToBisect when it does not fail, CannotBisect when
     attn-doctor itself fails on it."""
+    import datetime
+
     from attn_doctor import __version__
     from attn_doctor.bisect.repro import write_repro
     from attn_doctor.execution.budget import check_fits
@@ -170,16 +210,19 @@ def bisect(request: BisectRequest, progress: ProgressSink | None = None) -> Bise
     check_fits([start.baseline_coords(BASELINE), start], request.device)
     progress = progress or ProgressSink()
     progress.begin(planned_probes(start), f"bisect probes of {start.backend.name}")
-    with Session(request.device, request.timeout_s, progress=progress) as session:
+    with Session(request.device, request.timeout_s, progress=progress) as live:
+        session = RecordingSession(live)
         engine = Bisector(session_probe(session, progress), repeats=request.repeats, valid=knobs.valid)
         result = engine.run(start)
         checked = confirm_minimal(session, result)
         diagnosis = diagnose(session, result)
         diagnosis["minimal_case_checked"] = checked
-        facts = session.facts
+        facts = live.facts
     progress.end()
     env = collect_env(te_facts=facts.get("te_facts"), probe_te=False)
     minimal = result.minimal
     repro_coords = minimal if not minimal.layers else knobs.coords_at(minimal.case, backend=minimal.backend)
     repro = write_repro(request.directory, repro_coords, env, __version__, request.command)
-    return BisectReport(result, diagnosis, repro, env)
+    created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return BisectReport(result, diagnosis, repro, env, recorded_rows(result, session.rows), request.command,
+                        __version__, created)

@@ -33,6 +33,10 @@ from attn_doctor.core.coords import Coords
 # fault is 5% in every dtype, while the yardstick moves with the dtype's epsilon (12x in bf16, 1e5x in fp32).
 ERROR_SPAN = 10.0
 
+# A probe's note keeps this many characters of its row's reason (`report` reads older documents' numbers
+# from them: a clause that reaches this length may have been cut).
+NOTE_CHARS = 200
+
 
 @dataclass(frozen=True)
 class TensorFailure:
@@ -188,7 +192,7 @@ class Bisector:
                 break
         self._cache[config] = (failing, outcome)
         self.steps.append(Step(knob, tried, config.describe(), outcome.verdict, failing,
-                               "; ".join(filter(None, [note, outcome.reason[:200]]))))
+                               "; ".join(filter(None, [note, outcome.reason[:NOTE_CHARS]]))))
         return failing
 
     def outcome(self, config: Coords) -> Outcome:
@@ -206,7 +210,7 @@ class Bisector:
             self._start_error = _error_class(first.reason)
         self._start = first
         failing = first.verdict in ("FAIL", "ERROR")
-        self.steps.append(Step("start", "", start.describe(), first.verdict, failing, first.reason[:200]))
+        self.steps.append(Step("start", "", start.describe(), first.verdict, failing, first.reason[:NOTE_CHARS]))
         if not failing:
             raise NothingToBisect(f"the starting case does not fail ({first.verdict}): {start.describe()}")
         self._cache[start] = (True, first)

@@ -256,7 +256,7 @@ def reference(q, k, v, dout):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     sink64 = SINK.detach().double().requires_grad_() if SINK is not None else None
     group = q.shape[2] // k.shape[2]
-    c = CASE["head_dim"] ** -0.5
+    c = CASE.get("scale") or CASE["head_dim"] ** -0.5
     qh = q64.transpose(1, 2)
     kh, vh = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k64, v64))
     scores = (qh @ kh.transpose(-1, -2)) * c
@@ -330,7 +330,7 @@ def megatron_local(q, k, v, sink=None):
     k, v = (t.repeat_interleave(h // hkv, dim=2) for t in (k, v))
     scores = torch.baddbmm(torch.empty(b * h, sq, sk, dtype=q.dtype, device=q.device),
                            q.reshape(sq, b * h, d).transpose(0, 1), k.reshape(sk, b * h, d).transpose(0, 1).transpose(1, 2),
-                           beta=0.0, alpha=d ** -0.5).view(b, h, sq, sk)
+                           beta=0.0, alpha=CASE.get("scale") or d ** -0.5).view(b, h, sq, sk)
     x = scores.float() if q.dtype != torch.float32 else scores
     if fp8:
         x = quantize(x, None, "e5m2")
@@ -509,14 +509,23 @@ def short_id(coords: Coords) -> str:
     return hashlib.sha1(json.dumps([coords.backend.name, knob_dict(coords)], sort_keys=True).encode()).hexdigest()[:8]
 
 
-def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version: str, command: str) -> Path:
-    """Write repro_<backend>_<short-id>.py for the (minimal) failing probe, one call or TP shards."""
-    from attn_doctor.backends import repro_source
+def repro_name(coords: Coords) -> str:
+    """repro_<backend>_<short-id>.py: the file name of a probe's repro."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in coords.backend.name)
+    return f"repro_{safe}_{short_id(coords)}.py"
 
-    if coords.layers:
-        raise ValueError("a depth failure is reproduced by attn-doctor sweep; the standalone repro covers one call")
+
+def repro_text(coords: Coords, env: EnvReport | None, version: str, command: str) -> str:
+    """The standalone repro script of a failing probe, one call or TP shards (ValueError for a depth stack
+    or ranks: those are reproduced by attn-doctor itself)."""
+    from attn_doctor.backends import repro_source
+    from attn_doctor.core.coords import ProbeKind
+
+    if coords.layers or coords.kind is ProbeKind.DISTRIBUTED:
+        raise ValueError("a depth or multi-rank failure is reproduced by attn-doctor; the standalone repro covers "
+                         "one call")
     if coords.case.replay is not None:
-        return _write_replay_repro(directory, coords, version, command)
+        return _replay_repro_text(coords, version, command)
     backend = coords.backend.name
     case = coords.case.to_dict()
     dtype = coords.case.dtype
@@ -525,9 +534,13 @@ def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version:
                          layout=coords.layout, tp=coords.tp, eps=EPS[dtype], noise=NOISE_EPS[dtype],
                          bias_z=BIAS_Z, bias_eps=BIAS_EPS[dtype], cancelled=CANCELLED,
                          score_precision=SCORE_PRECISION[dtype], empty_row_eps=EMPTY_ROW_EPS)
-    text += INPUTS + repro_source(coords.backend) + MAIN
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in backend)
-    path = Path(directory) / f"repro_{safe}_{short_id(coords)}.py"
+    return text + INPUTS + repro_source(coords.backend) + MAIN
+
+
+def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version: str, command: str) -> Path:
+    """Write repro_<backend>_<short-id>.py for the (minimal) failing probe, one call or TP shards."""
+    text = repro_text(coords, env, version, command)
+    path = Path(directory) / repro_name(coords)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
@@ -549,18 +562,13 @@ sys.exit(subprocess.call([sys.executable, "-m", "attn_doctor", *{arguments!r}]))
 '''
 
 
-def _write_replay_repro(directory: Path, coords: Coords, version: str, command: str) -> Path:
+def _replay_repro_text(coords: Coords, version: str, command: str) -> str:
     """The repro of a failing probe that still needs its captured call: `attn-doctor run --replay ...`."""
     import shlex
 
     from attn_doctor.backends import selector
 
     arguments = shlex.split(coords.repro_command(selector(coords.backend)))[1:]
-    text = REPLAY_REPRO.format(version=version, title=f"{coords.backend.name} on {coords.describe()}",
+    return REPLAY_REPRO.format(version=version, title=f"{coords.backend.name} on {coords.describe()}",
                                capture=coords.case.replay.rpartition("@")[0], command=command.replace('"', "'"),
                                arguments=arguments)
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in coords.backend.name)
-    path = Path(directory) / f"repro_{safe}_{short_id(coords)}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path

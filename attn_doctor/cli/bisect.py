@@ -3,6 +3,7 @@ and a standalone repro."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
@@ -26,9 +27,10 @@ from attn_doctor.core.layouts import canonical_layouts
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Run each probe N times; any failing run counts (guards against nondeterministic kernels).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write {start_case, minimal_case, necessary, probes, repro} here.")
+              help="Also write the bisect document ({start_case, minimal_case, necessary, probes, repro, ...}) here.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where the repro script goes (default: beside --from, else reports/bisect-<stamp>).")
+              help="Where the repro script and the bisect document go (default: beside --from, else "
+                   "reports/bisect-<stamp>); `attn-doctor report` takes the folder or the document.")
 @click.pass_obj
 def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, layers, from_results, row_index,
            repeats, json_path, out_dir, **case_flags) -> int:
@@ -90,11 +92,13 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
     if minimal.layers:
         console.print("note: the failure needs depth; the repro checks the single call of the minimal case, "
                       f"reproduce the stack with: {minimal.repro_command(_selector(start))}")
-    if json_path:
-        saved, why = write_or_keep(json_path, dumps(report.to_dict()))
-        console.print(f"json:    {saved}")
+    document = dumps(report.to_dict())
+    for label, path in [("bisect:", directory / report.file_name), *([("json:", json_path)] if json_path else [])]:
+        saved, why = write_or_keep(path, document)
+        console.print(f"{label:<8} {saved}")
         if why:
             return app.kept_elsewhere(why, saved)
+    console.print(f"issue:   attn-doctor report {shlex.quote(str(directory / report.file_name))} --format issue")
     return EXIT_OK
 
 

@@ -1,4 +1,8 @@
-"""Known TE/cuDNN defects beside a command's output: wiring the known-defect table to a report or a machine."""
+"""Known TE/cuDNN defects beside a command's output: wiring the known-defect table to a report or a machine.
+
+The matching itself is `attn_doctor.machine.known_bugs` (dataclasses in, dataclasses out); here a results
+row becomes the `Probe` the rules read.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +12,60 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from attn_doctor.machine.fingerprint import EnvReport
+    from attn_doctor.machine.known_bugs import Probe
     from attn_doctor.results.report import RunReport
+    from attn_doctor.results.row import Row
+
+
+def row_probe(row: Row, env: EnvReport) -> Probe:
+    """A results row as the rules read it: the case, the context its path ran in (the qkv format the rules
+    are written for, what the path sets itself — TE's deterministic path is deterministic whatever the
+    environment says —, the sub-backend TE reported, CP), and what it showed."""
+    from attn_doctor.backends import match_context, match_format
+    from attn_doctor.machine.known_bugs import MatchContext, Probe, sub_backend_from_ran
+
+    spec, coords = row.coords.backend, row.coords
+    context = MatchContext.for_case(
+        env, row.case,
+        qkv_format=match_format(spec, row.case),
+        backend=row.backend,
+        sub_backend=sub_backend_from_ran(row.ran),
+        layout=row.layout,
+        context_parallel=coords.cp > 1,
+        cp_size=coords.cp,
+        cp_comm_type=coords.cp_comm_type,
+        **match_context(spec),
+    )
+    return Probe(
+        case=row.case,
+        context=context,
+        verdict=row.verdict,
+        ran=row.ran,
+        reason=row.reason,
+        failing=frozenset(row.failing_tensors),
+        nonfinite=frozenset(name for name, t in row.tensors.items() if t.nan or t.inf),
+        nondeterministic=bool(row.differing_tensors),
+        internal=row.internal,
+    )
 
 
 def known_defects(report: RunReport) -> list[str]:
-    """Descriptions of the known defects that match the report's machine and cases (each case matched with
-    the qkv formats of the paths that ran it, as the rules are written for, and the context a path sets
-    itself: TE's deterministic path is matched as deterministic whatever the environment says)."""
-    from attn_doctor.backends import match_context, match_format
-    from attn_doctor.machine.known_bugs import case_descriptions
+    """One line per known defect whose conditions hold for the report's probes — "this matches ..." where a
+    probe shows its symptom, "not reproduced here: ..." where none does — then the machine-level defects
+    that match the machine but no probe."""
+    from attn_doctor.machine.known_bugs import describe_run, load_known_bugs
 
     if report.env is None:
         return []
-    cases: dict[tuple, tuple] = {}
-    for row in report.rows:
-        _, contexts = cases.setdefault(row.case.key(), (row.case, set()))
-        spec = row.coords.backend
-        contexts.add((match_format(spec, row.case), tuple(sorted(match_context(spec).items()))))
-    return case_descriptions(report.env, [
-        (case, [{"qkv_format": fmt, **dict(extra)} if extra else fmt for fmt, extra in sorted(contexts, key=str)])
-        for case, contexts in cases.values()])
+    return describe_run(load_known_bugs(), report.env, [row_probe(row, report.env) for row in report.rows])
 
 
 def machine_defects(env: EnvReport) -> list[str]:
-    from attn_doctor.machine.known_bugs import describe, load_known_bugs, match_environment
+    from attn_doctor.machine.known_bugs import (
+        describe,
+        load_known_bugs,
+        match_environment,
+    )
 
     return [describe(match) for match in match_environment(load_known_bugs(), env)]
 

@@ -24,7 +24,15 @@ from attn_doctor.machine.te_probe import decode_cudnn_version, dist_version, te_
 TE_PROBE_CMD: list[str] = [sys.executable, "-m", "attn_doctor.machine.te_probe"]
 
 ENV_PREFIXES = ("NVTE_", "CUDNN_", "CUDA_", "TORCH_", "PYTORCH_", "NCCL_")
-ENV_DENY = ("SECRET", "TOKEN", "PASSWORD", "KEY", "API")
+# Words that make a variable's name suggest a secret: such variables are never collected, and reports
+# redact them wherever they appear (`attn_doctor.render.redact`).
+ENV_DENY = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "KEY", "API", "CREDENTIAL", "AUTH", "PRIVATE", "COOKIE",
+            "SESSION")
+
+
+def looks_secret(name: str) -> bool:
+    """Whether an environment variable's name suggests that its value is a secret."""
+    return any(word in name.upper() for word in ENV_DENY)
 
 FLASH_ATTN_DISTS: dict[str, tuple[str, ...]] = {
     "v2": ("flash-attn",),
@@ -34,6 +42,7 @@ FLASH_ATTN_DISTS: dict[str, tuple[str, ...]] = {
 
 NOT_INSTALLED = "not installed"
 LATER_FACTS = ("cpu", "os")  # facts older results documents do not have
+IDENTITY_KEYS = ("hostname", "user", "home")  # who and where: recorded only so that reports can redact them
 NOT_PROBED = "not probed"
 
 
@@ -83,17 +92,21 @@ class EnvReport:
     # Collected since the fingerprint first had them; None in documents written before.
     cpu: Fact | None = None  # model and core count
     os: Fact | None = None  # the distribution's name and version
+    # The machine's hostname, the user and their home folder (IDENTITY_KEYS): never shown, recorded so that
+    # a report pasted elsewhere can redact them (`attn_doctor.render.redact`); {} in older documents.
+    identity: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-able view (a fact that was not collected, in a document older than it, stays out)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if not (k in LATER_FACTS and v is None)}
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not (k in LATER_FACTS and v is None) and not (k == "identity" and not v)}
 
     @classmethod
     def from_dict(cls, d: dict) -> EnvReport:
         """Inverse of :meth:`to_dict`; tolerant of missing keys from older files."""
         fact_names = [
             f.name for f in dataclasses.fields(cls)
-            if f.name not in ("gpus", "gpus_note", "flash_attn", "env_vars", *LATER_FACTS)
+            if f.name not in ("gpus", "gpus_note", "flash_attn", "env_vars", "identity", *LATER_FACTS)
         ]
         facts = {name: Fact.from_dict(d.get(name)) for name in fact_names}
         facts.update({name: Fact.from_dict(d[name]) for name in LATER_FACTS if d.get(name) is not None})
@@ -112,11 +125,13 @@ class EnvReport:
                 continue
         flash = {str(k): Fact.from_dict(v) for k, v in (d.get("flash_attn") or {}).items()}
         env_vars = {str(k): str(v) for k, v in (d.get("env_vars") or {}).items()}
+        identity = d.get("identity") if isinstance(d.get("identity"), Mapping) else {}
         return cls(
             gpus=tuple(gpus),
             gpus_note=_opt_str(d.get("gpus_note")),
             flash_attn=flash,
             env_vars=env_vars,
+            identity={str(k): str(v) for k, v in identity.items() if k in IDENTITY_KEYS and v},
             **facts,
         )
 
@@ -343,8 +358,24 @@ def collect_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]
     return {
         k: v
         for k, v in sorted(environ.items())
-        if k.upper().startswith(ENV_PREFIXES) and not any(bad in k.upper() for bad in ENV_DENY)
+        if k.upper().startswith(ENV_PREFIXES) and not looks_secret(k)
     }
+
+
+def collect_identity() -> dict[str, str]:
+    """This machine's hostname, the user and their home folder (what a pasted report must not show)."""
+    import getpass
+    import socket
+
+    def known(collect) -> str | None:
+        try:
+            return collect() or None
+        except (OSError, KeyError, RuntimeError, ImportError):  # no passwd entry, no HOME: nothing to record
+            return None
+
+    collected = {"hostname": known(socket.gethostname), "user": known(getpass.getuser),
+                 "home": known(lambda: str(Path.home()))}
+    return {key: value for key, value in collected.items() if value}
 
 
 def _collect_cpu() -> Fact:
@@ -409,6 +440,7 @@ def collect_env(
     te_cudnn = _flag_cudnn_mismatch(te_cudnn, torch_cudnn)
     flash = _safe(_collect_flash_attn, lambda e: {k: Fact(None, e) for k in FLASH_ATTN_DISTS})
     env_vars = _safe(collect_env_vars, lambda e: {})
+    identity = _safe(collect_identity, lambda e: {})
     return EnvReport(
         python=python,
         platform=plat,
@@ -427,4 +459,5 @@ def collect_env(
         env_vars=env_vars,
         cpu=cpu,
         os=os_name,
+        identity=identity,
     )

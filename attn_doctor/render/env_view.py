@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from rich.table import Table
 from rich.text import Text
 
-from attn_doctor.machine.fingerprint import EnvReport, Fact
+from attn_doctor.machine.fingerprint import EnvReport, Fact, GpuInfo
 from attn_doctor.render.format import md_escape
 
 Kind = Literal["ok", "warn", "missing"]
@@ -95,3 +96,45 @@ def env_markdown(env: EnvReport) -> str:
             cell = md_escape(value)
         lines.append(f"| {md_escape(label)} | {cell} |")
     return "\n".join(lines) + "\n"
+
+
+def env_from_rows(rows: list[tuple[str, str]]) -> EnvReport:
+    """The inverse of :func:`env_rows`, for an environment kept only as its text (a repro script's header):
+    each fact's text is its value (a note cannot be told from a value that holds parentheses), ``n/a (why)``
+    is a missing fact."""
+    by_label = {"Python": "python", "platform": "platform", "OS": "os", "CPU": "cpu", "NVIDIA driver": "driver",
+                **dict(_FACTS)}
+    flash_keys = {label: key for key, label in _FLASH_LABELS.items()}
+    facts: dict[str, Fact] = {}
+    gpus: list[GpuInfo] = []
+    gpus_note: str | None = None
+    flash: dict[str, Fact] = {}
+    env_vars: dict[str, str] = {}
+
+    def fact(text: str) -> Fact:
+        if text == "n/a":
+            return Fact(None)
+        if text.startswith("n/a (") and text.endswith(")"):
+            return Fact(None, text[len("n/a ("):-1])
+        return Fact(text)
+
+    for label, text in rows:
+        if label in by_label:
+            facts[by_label[label]] = fact(text)
+        elif label.startswith("GPU ") and label[4:].isdigit():
+            name, _, rest = text.rpartition(", ")
+            model, _, sm = name.rpartition(", ")
+            try:
+                gpus.append(GpuInfo(int(label[4:]), model, sm, int(rest.removesuffix(" MiB"))))
+            except ValueError:
+                gpus_note = text
+        elif label in ("GPUs", "GPU notes"):
+            gpus_note = fact(text).note or text
+        elif label in flash_keys or label.startswith("flash-attn "):
+            flash[flash_keys.get(label, label.removeprefix("flash-attn "))] = fact(text)
+        elif label == "env vars" and text != NONE_SET:
+            env_vars.update(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    return EnvReport.from_dict({**{name: {"value": f.value, "note": f.note} for name, f in facts.items()},
+                                "gpus": [dataclasses.asdict(g) for g in gpus], "gpus_note": gpus_note,
+                                "flash_attn": {k: {"value": f.value, "note": f.note} for k, f in flash.items()},
+                                "env_vars": env_vars})

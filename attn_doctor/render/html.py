@@ -19,6 +19,7 @@ from attn_doctor.render.format import (
     sci,
 )
 from attn_doctor.render.report_data import ReportData, call_rows, compact_env, dq_in_eps, sort_rows, tensor_names
+from attn_doctor.results.bisect_record import BisectRecord
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.depth import depth_lines
 
@@ -107,6 +108,22 @@ def _depth_table(rows: list[Row]) -> str:
     return _table(header, body)
 
 
+def _bisect_html(bisect: BisectRecord) -> str:
+    """What a bisect found: the minimal case, the conditions it needs, its diagnosis and its repro, folded."""
+    conditions = "".join(f"<li>{escape(c.knob)}: fails at {escape(str(c.failing_value))}, passes at "
+                         f"{escape(str(c.passing_value))}</li>" for c in bisect.necessary)
+    facts = "".join(f"<li>{escape(label)}: {escape(str(value))}</li>" for label, value in (
+        ("First wrong", bisect.diagnosis.get("first_wrong")),
+        ("Checked on a correct path", bisect.diagnosis.get("minimal_case_checked"))) if value)
+    repro = (f"<details><summary>{escape(bisect.repro_name)}</summary><pre>{escape(bisect.repro)}</pre></details>"
+             if bisect.repro else "")
+    return (f"<h2>Bisect of {escape(bisect.tested)}</h2><p>Shrank {escape(bisect.start.describe())} to "
+            f"<strong>{escape(bisect.minimal.describe())}</strong>, which still fails the same way.</p>"
+            + (f"<p>Necessary conditions:</p><ul>{conditions}</ul>" if conditions else
+               "<p>No condition is necessary among the knobs attn-doctor turns.</p>")
+            + (f"<ul>{facts}</ul>" if facts else "") + repro)
+
+
 def report_html(data: ReportData) -> str:
     report = data.report
     parts = [f"<h1>attn-doctor report</h1><p><strong>Verdict:</strong> {escape(report.summary)}</p>"]
@@ -116,6 +133,7 @@ def report_html(data: ReportData) -> str:
     if report.env is not None:
         rows = [f"<tr>{_cell(label)}{_cell(value)}</tr>" for label, value in compact_env(report.env)]
         parts.append("<h2>Environment</h2>" + _table(["fact", "value"], rows, sortable=False))
+    parts += [_bisect_html(bisect) for bisect in data.bisects]
     if call_rows(report.rows):
         parts.append("<h2>Results</h2><p>Relative L2 error against float64; ×base is the ratio to the Megatron-local "
                      "baseline's error on the same inputs. Click a column to sort."

@@ -7,10 +7,11 @@ with failing rows first, the reproduce commands, and the long details folded int
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
 
 from attn_doctor.numerics.masks import describe
 from attn_doctor.render.env_view import env_markdown
+from attn_doctor.render.fit import GITHUB_LIMIT, Section, fit_sections
 from attn_doctor.render.format import (
     CANCELLED_NOTE,
     REPEATS_NOTE,
@@ -31,8 +32,10 @@ from attn_doctor.render.report_data import (
     sort_rows,
     tensor_names,
 )
+from attn_doctor.results.bisect_record import BisectRecord
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.depth import depth_lines
+from attn_doctor.verdict.diagnosis import tally
 from attn_doctor.verdict.rule import rule_sentence
 
 escape = md_escape
@@ -62,7 +65,9 @@ def _repeats(row: Row) -> str:
     return f"**{text}**" if row.differing_tensors else text
 
 
-def results_markdown(rows: list[Row]) -> str:
+def results_markdown(rows: list[Row], only_failing: bool = False) -> str:
+    """The results table, failing rows first (`only_failing`: those alone, the rest folded into counts by
+    `counts_markdown`)."""
     names = tensor_names(rows)
     shown_rows = call_rows(rows)
     tp_distance = any("dq_vs_tp1" in r.extra for r in shown_rows)
@@ -72,6 +77,8 @@ def results_markdown(rows: list[Row]) -> str:
         ["repeats"] if repeated else []) + ["verdict"]
     body = []
     for row, layout in sort_rows(display_rows(shown_rows)):
+        if only_failing and row.verdict not in ("FAIL", "ERROR"):
+            continue
         ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
         knobs = row.case.short() + row.coords.text()
         distance = [sci(row.extra["dq_vs_tp1"]) if "dq_vs_tp1" in row.extra else ""] if tp_distance else []
@@ -79,6 +86,13 @@ def results_markdown(rows: list[Row]) -> str:
         body.append([escape(row.backend), escape(ran), escape(layout), escape(knobs)]
                     + [tensor_text(row, n) for n in names] + [dq_in_eps(row)] + distance + repeats + [_verdict(row)])
     return table(header, body) if body else ""
+
+
+def counts_markdown(rows: list[Row]) -> str:
+    """How many rows of each backend pass, fail, crash and are skipped."""
+    body = [[escape(t.backend), str(t.passed), str(t.failed), str(t.errors), str(t.skipped)]
+            for t in tally(call_rows(rows))]
+    return table(["backend", "PASS", "FAIL", "ERROR", "SKIP"], body) if body else ""
 
 
 def depth_markdown(rows: list[Row]) -> str:
@@ -90,49 +104,6 @@ def depth_markdown(rows: list[Row]) -> str:
     header = ["backend", "TP", "layers", "dQ err, layer 1", "dQ err, last layer", "local's dQ err, layer 1",
               "×base", "‖dQ − dQ_local‖ / ‖dQ_local‖", "‖dQ − dQ_TP1‖ / ‖dQ_TP1‖", "verdict"]
     return table(header, body)
-
-
-GITHUB_LIMIT = 65_536  # characters GitHub takes in an issue or comment body
-
-
-@dataclass
-class _Section:
-    """A report section whose `items` (table rows, list entries) are shown in order while they fit its share
-    of the page; `head` and `tail` are always shown. A table's items need `table=True`: a line after a table's
-    rows must follow a blank line, or GitHub reads it as one more row."""
-
-    head: list[str]
-    items: list[str]
-    tail: list[str]
-    share: float
-    table: bool = False
-
-    def size(self, items: int | None = None) -> int:
-        shown = self.items if items is None else self.items[:items]
-        return sum(len(line) + 1 for line in (*self.head, *shown, *self.tail))
-
-    def render(self, budget: int) -> list[str]:
-        if self.size() <= budget:
-            return [*self.head, *self.items, *self.tail]
-        shown = 0
-        while shown < len(self.items) and self.size(shown + 1) + 200 <= budget:
-            shown += 1
-        more = f"_… and {len(self.items) - shown} more, left out to fit GitHub's {GITHUB_LIMIT:,}-character limit: " \
-               "`attn-doctor report RESULTS` shows them all._"
-        return [*self.head, *self.items[:shown], *([""] if self.table else []), more, *self.tail]
-
-
-def _fit(fixed: int, sections: list[_Section]) -> list[list[str]]:
-    """Each section rendered within its share of what the fixed parts leave of GitHub's limit; what a section
-    does not need goes to the others, in proportion to their shares."""
-    room = max(GITHUB_LIMIT - fixed - 1_000, 0)  # 1,000: slack for the joins and the user's own words
-    budgets = {i: room * s.share for i, s in enumerate(sections)}
-    needy = {i for i, s in enumerate(sections) if s.size() > budgets[i]}
-    spare = sum(budgets[i] - sections[i].size() for i in budgets if i not in needy)
-    weight = sum(sections[i].share for i in needy)
-    for i in needy:
-        budgets[i] += spare * sections[i].share / weight
-    return [s.render(int(budgets[i])) for i, s in enumerate(sections)]
 
 
 def report_markdown(data: ReportData) -> str:
@@ -152,27 +123,23 @@ def report_markdown(data: ReportData) -> str:
     cases = list(dict.fromkeys(row.case for row in report.rows))
     if len(cases) == 1:
         top += ["**Case:** " + escape(cases[0].short()) + ". " + escape("; ".join(describe(cases[0]))) + ".", ""]
+    for bisect in data.bisects:
+        top += [f"### Bisect of {escape(bisect.tested)}", "", *bisect_lines(bisect)]
 
-    writes = _Section(["**Writes into padding** (flagged, not failed; TE's kernels write zeros there):", ""], [
+    writes = Section(["**Writes into padding** (flagged, not failed; TE's kernels write zeros there):", ""], [
         f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())}): " + ", ".join(
             f"{TENSOR_TITLES.get(n, n)} {nonzero} of {values} values" for n, (nonzero, values) in row.padding_writes.items())
         for row in report.rows if row.padding_writes], [""], share=0.05)
-    results = results_markdown(report.rows).split("\n")
-    results = _Section(["### Results", "",
-                        "Relative L2 error against float64 (computed from the same low-precision inputs), in "
-                        "parentheses its ratio to the Megatron-local baseline's error on the same inputs; ε is the "
-                        f"dtype's machine epsilon. {rule_sentence()} {CANCELLED_NOTE}."
-                        + (f" {REPEATS_NOTE}" if has_repeats(report.rows) else ""), "", *results[:2]],
-                       results[2:], [""], share=0.40, table=True) if results != [""] else None
+    results = _results_section(report.rows)
     depth = depth_markdown(report.rows).split("\n")
-    depth = _Section(["### dQ against depth", "",
-                      "dQ of a Megatron-style GPT stack with this backend as core attention, against the stack's "
+    depth = Section(["### dQ against depth", "",
+                     ("dQ of a Megatron-style GPT stack with this backend as core attention, against the stack's "
                       "float64 replica; the last two columns are distances between implementations, the quantity "
-                      "the bug reports measured.", "", *depth[:2]], depth[2:],
-                     ["", f"![dQ error against depth]({data.plot_name})", ""] if data.plot_name else [""],
-                     share=0.10, table=True) if depth != [""] else None
+                      "the bug reports measured."), "", *depth[:2]], depth[2:],
+                    ["", _plot_note(data), ""] if data.plot_path else [""], share=0.10,
+                    table=True) if depth != [""] else None
     failing = data.failing
-    reproduce = _Section(["### Reproduce", ""], [f"{FENCE}bash\n{command}\n{FENCE}" for command in data.repro_commands],
+    reproduce = Section(["### Reproduce", ""], [f"{FENCE}bash\n{command}\n{FENCE}" for command in data.repro_commands],
                          [""], share=0.10)
     whys = []
     for row in failing:
@@ -181,15 +148,14 @@ def report_markdown(data: ReportData) -> str:
         # one entry per row: each failing tensor's error, its yardstick, and why that yardstick
         whys.append("\n".join([f"{head}:"] + [f"  - {name}: {escape(why)}" for name, why in failed]) if failed
                     else f"{head}: {escape(row.reason)}")
-    whys = _Section(["<details><summary>Why each failing row failed</summary>", ""], whys, ["", "</details>", ""],
+    whys = Section(["<details><summary>Why each failing row failed</summary>", ""], whys, ["", "</details>", ""],
                     share=0.15)
-    skipped = _Section(["<details><summary>Skipped paths and why</summary>", ""], [
+    skipped = Section(["<details><summary>Skipped paths and why</summary>", ""], [
         f"- {escape(row.backend)} ({'all layouts' if layout == 'all' else escape(layout)}): {escape(row.reason)}"
         for row, layout in data.skipped], ["", "</details>", ""], share=0.10)
-    errors = _Section(["<details><summary>Error details</summary>", ""], [
-        "\n".join([f"{escape(row.backend)} on {escape(row.layout)}:", "", FENCE,
-                   row.detail.strip().replace(FENCE, "` ` `"), FENCE, ""]) for row in failing if row.detail],
-        ["</details>", ""], share=0.10)
+    errors = Section(["<details><summary>Error details</summary>", ""], [
+        "\n".join([f"{escape(row.backend)} on {escape(row.layout)}:", "", *detail_lines(row.detail)])
+        for row in failing if row.detail], ["</details>", ""], share=0.10)
     bottom: list[str] = []
     if report.env is not None:
         bottom += ["<details><summary>Full environment</summary>", "", env_markdown(report.env), "", "</details>", ""]
@@ -197,10 +163,74 @@ def report_markdown(data: ReportData) -> str:
                                          report.created) if x)
     bottom += [f"<sub>{escape(report.command)}{' — ' + made if made else ''}</sub>", ""]
 
-    order = (writes, results, depth, reproduce if failing else None, whys, skipped, errors)
+    repros = Section(["<details><summary>The bisects' standalone repro scripts</summary>", ""], [
+        "\n".join(repro_lines(bisect.repro_name, bisect.repro)) for bisect in data.bisects if bisect.repro],
+        ["</details>", ""], share=0.25)
+    order = (writes, results, depth, reproduce if failing else None, repros, whys, skipped, errors)
     sections = [s for s in order if s is not None and s.items]
-    fitted = dict(zip(map(id, sections), _fit(sum(len(x) + 1 for x in top + bottom), sections)))
+    fitted = dict(zip(map(id, sections), fit_sections(sum(len(x) + 1 for x in top + bottom), sections)))
     return "\n".join(top + [line for s in order for line in fitted.get(id(s), [])] + bottom)
 
 
-__all__ = ["depth_markdown", "escape", "report_markdown", "results_markdown", "table"]
+def detail_lines(detail: str) -> list[str]:
+    """An error's detail (a traceback, a worker's last lines) fenced; a fence of its own is broken up."""
+    return [FENCE, detail.strip().replace(FENCE, "` ` `"), FENCE, ""]
+
+
+def bisect_lines(bisect: BisectRecord) -> list[str]:
+    """What a bisect found: the minimal case, the conditions it needs, where the fault first shows, the
+    check on a correct path, and its repro script."""
+    lines = [(f"`attn-doctor bisect` shrank {escape(bisect.start.describe())} to "
+              f"**{escape(bisect.minimal.describe())}**, which still fails the same way."), ""]
+    if bisect.necessary:
+        lines += ["Necessary conditions (simplifying any one of them makes the failure go away):", ""]
+        lines += [f"- {escape(c.knob)}: fails at {escape(c.failing_value)}, passes at {escape(c.passing_value)}"
+                  for c in bisect.necessary]
+    else:
+        lines.append("No condition is necessary among the knobs attn-doctor turns: it fails on the plainest case "
+                     "tried.")
+    lines.append("")
+    facts = [("First wrong", bisect.diagnosis.get("first_wrong")),
+             ("Checked on a correct path", bisect.diagnosis.get("minimal_case_checked")),
+             ("Standalone repro", bisect.repro_name + ("" if bisect.repro is not None else
+                                                       " (not found beside the bisect document)"))]
+    lines += [f"- {label}: {escape(value)}." for label, value in facts if value] + [""]
+    return lines
+
+
+def repro_lines(name: str, script: str) -> list[str]:
+    """A standalone repro script, folded, in a fence no line of it can close."""
+    longest = max((len(run) for run in re.findall(r"`+", script)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"<details><summary>{escape(name)} ({script.count(chr(10))} lines)</summary>", "", f"{fence}python",
+            script.rstrip("\n"), fence, "", "</details>", ""]
+
+
+def _results_section(rows: list[Row]) -> Section | None:
+    """The results table; when it does not fit, its failing rows whole and the rest folded into counts."""
+    whole = results_markdown(rows).split("\n")
+    if whole == [""]:
+        return None
+    head = ["### Results", "",
+            ("Relative L2 error against float64 (computed from the same low-precision inputs), in parentheses its "
+             "ratio to the Megatron-local baseline's error on the same inputs; ε is the dtype's machine epsilon. "
+             f"{rule_sentence()} {CANCELLED_NOTE}.") + (f" {REPEATS_NOTE}" if has_repeats(rows) else ""), ""]
+    failing = results_markdown(rows, only_failing=True).split("\n")
+    passing = sum(1 for row in call_rows(rows) if row.verdict not in ("FAIL", "ERROR"))
+    fold_note = (f"_{passing} passing and skipped rows are folded into these counts to fit GitHub's "
+                 f"{GITHUB_LIMIT:,}-character limit (`attn-doctor report RESULTS --format html` shows every row):_")
+    counts = ["", fold_note, "", counts_markdown(rows), ""]
+    folded = Section([*head, *failing[:2]], failing[2:], counts, share=0.40, table=True) if failing != [""] else \
+        Section(head, [], counts, share=0.40)
+    return Section([*head, *whole[:2]], whole[2:], [""], share=0.40, table=True, folded=folded)
+
+
+def _plot_note(data: ReportData) -> str:
+    """Where the depth plot is: a relative link breaks once the report is pasted, and GitHub shows no
+    embedded image in an issue, so the file is named for attaching."""
+    return (f"_The plot of dQ error against depth is not embedded: attach {escape(data.plot_name)} "
+            f"({escape(data.plot_path)}) to the issue._")
+
+
+__all__ = ["bisect_lines", "counts_markdown", "depth_markdown", "detail_lines", "escape", "report_markdown",
+           "repro_lines", "results_markdown", "table"]

@@ -1,17 +1,33 @@
-"""What every report format shows, gathered once: the document, its plot, the known defects it matches."""
+"""What every report format shows, gathered once: the document, its plot, the known defects it matches,
+the bisects of its failing rows; and what the issue format derives from them (the fault to file, its
+figures, the paths that are right on the same inputs)."""
 
 from __future__ import annotations
 
+import math
+import re
+import shlex
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from attn_doctor.core.coords import ProbeKind
-from attn_doctor.machine.fingerprint import EnvReport
+from attn_doctor.machine.fingerprint import EnvReport, Fact
 from attn_doctor.render.env_view import fact_cell
 from attn_doctor.render.format import display_rows
+from attn_doctor.results.bisect_record import BisectRecord
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
-from attn_doctor.verdict.rule import CORE_TENSORS, TENSORS
+from attn_doctor.verdict.diagnosis import Faulty, first_wrong
+from attn_doctor.verdict.rule import (
+    CORE_TENSORS,
+    FAIL,
+    MULTIPLE,
+    NOISE_YARDSTICK,
+    PASS,
+    TENSORS,
+    TensorVerdict,
+)
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
 
@@ -21,6 +37,8 @@ class ReportData:
     report: RunReport
     directory: Path  # where the document lives (the plot is beside it)
     known: list[str] = field(default_factory=list)  # descriptions of matching known defects
+    bisects: list[BisectRecord] = field(default_factory=list)  # the bisect reported, or those of its failing rows
+    source: Path | None = None  # the file the document was read from
 
     @property
     def plot_name(self) -> str | None:
@@ -46,6 +64,177 @@ class ReportData:
         name = self.plot_name
         return self.directory / name if name else None
 
+    @property
+    def bisect_report(self) -> BisectRecord | None:
+        """The bisect when the document reported is a bisect's (its rows are the bisect's)."""
+        return self.bisects[0] if self.bisects and self.source == self.bisects[0].path else None
+
+    @cached_property
+    def fault(self) -> Fault | None:
+        """The fault an issue is about (None when nothing failed): a bisected one first (at its minimal
+        case), else the worst failing row (NaN/Inf, then the largest ratio; a crash last)."""
+        failing = self.report.failing_rows
+        if not failing:
+            return None
+        bisected = [(b, b.minimal_row or b.start_row) for b in self.bisects]
+        bisected = [(b, row) for b, row in bisected if row is not None and row.verdict in (FAIL, "ERROR")]
+        if bisected:
+            bisect, row = max(bisected, key=lambda pair: severity(pair[1]))
+        else:
+            bisect, row = None, max(failing, key=severity)
+        found_on = bisect.start_row if bisect is not None and bisect.start_row is not row else None
+        rows = self.report.rows + (bisect.rows if bisect is not None and bisect is not self.bisect_report else [])
+        right = [r for shown in (row, found_on) if shown is not None for r in right_paths(rows, shown)]
+        if bisect is not None:
+            repro_name, repro = bisect.repro_name, bisect.repro
+        else:
+            repro_name, repro = standalone_repro(row, self.report)
+        covered = [shown.coords for shown in (row, found_on) if shown is not None]
+        others = self.report.faulty if any(r.coords not in covered for r in failing) else []
+        return Fault(row=row, found_on=found_on, bisect=bisect, figures=tensor_figures(row), right=right,
+                     bisect_command=self.bisect_command(row) if bisect is None else None, repro_name=repro_name,
+                     repro_script=repro, faulty_paths=others)
+
+    def bisect_command(self, row: Row) -> str | None:
+        """The `attn-doctor bisect --from` command that starts from the document's failing `row` (None where
+        bisect cannot: a row of several ranks)."""
+        if self.source is None or row.coords.kind is ProbeKind.DISTRIBUTED:
+            return None
+        index = self.report.failing_rows.index(row)
+        command = f"attn-doctor bisect --from {shlex.quote(str(self.source))}"
+        return command + (f" --row {index}" if index else "")
+
+
+def severity(row: Row) -> tuple:
+    """How bad a failing row is, for picking the one to file: a FAIL before a crash, NaN/Inf first, then the
+    largest ratio to the yardstick."""
+    failed = [t for t in row.tensors.values() if t.verdict == FAIL]
+    ratios = [t.ratio for t in failed if not math.isnan(t.ratio)]
+    return (row.verdict == FAIL, any(t.nan or t.inf for t in failed), max(ratios, default=0.0))
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One tensor of a failing row, as an issue states it: measured against what a correct implementation
+    in the same dtype gets on the same inputs (the yardstick)."""
+
+    tensor: str
+    measured: float  # the error: relative to float64, or against the terms' scale where the tensor cancels
+    correct: float  # the yardstick: the baseline's error on the same inputs, never below rounding noise
+    fail_above: float
+    multiple: float  # how many times `correct` a tensor may be off before it FAILs
+    ratio: float  # measured over correct
+    yardstick: str  # what the yardstick is
+    scale: str  # "relative" or "of its terms' scale"
+    worst_head: float  # the worst (batch, head) slice's relative error
+    baseline_worst_head: float
+    cosine: float
+    nan: int
+    inf: int
+    verdict: str
+
+
+def tensor_figures(row: Row) -> list[Figure]:
+    """The figures of every tensor the row measured, in table order."""
+    return [figure(name, row.tensors[name]) for name in TENSORS if name in row.tensors]
+
+
+def figure(name: str, t: TensorVerdict) -> Figure:
+    multiple = MULTIPLE.get(name.split("_")[0], max(MULTIPLE.values()))
+    measured = t.shown_err
+    return Figure(
+        tensor=name, measured=measured, correct=t.threshold / multiple, fail_above=t.threshold, multiple=multiple,
+        ratio=t.ratio,
+        yardstick="rounding noise: the baseline's own error is below it" if t.yardstick_kind == NOISE_YARDSTICK
+        else "the local baseline's error on them", scale="of its terms' scale" if t.cancelled else "relative",
+        worst_head=t.worst_head_rel_err, baseline_worst_head=t.baseline_worst_head_rel_err, cosine=t.cosine,
+        nan=t.nan, inf=t.inf, verdict=t.verdict)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """The fault an issue is filed for, with what separates it from a correct implementation."""
+
+    row: Row  # the failing row (a bisect's minimal case where one was run)
+    found_on: Row | None  # the row the bisect started from, when it shrank the case
+    bisect: BisectRecord | None
+    figures: list[Figure]
+    right: list[Row]  # rows that pass on the same inputs: other paths, and this path on other layouts
+    bisect_command: str | None  # how to bisect it when no bisect was run
+    repro_name: str = ""  # the standalone repro script's file name ("" where there is none)
+    repro_script: str | None = None  # its text (None: a depth stack or ranks, or a bisect's script not found)
+    # Every faulty path of the run, when it has failing rows besides this one and the one a bisect started from.
+    faulty_paths: list[Faulty] = field(default_factory=list)
+
+    @property
+    def right_elsewhere(self) -> tuple[list[str], list[str]]:
+        """On the fault's own inputs: the other paths that are right, and the layouts this path is right on."""
+        same = [r for r in self.right if r.case.key() == self.row.case.key()]
+        others = list(dict.fromkeys(r.backend for r in same if r.backend != self.row.backend))
+        return others, list(dict.fromkeys(r.layout for r in same if r.backend == self.row.backend))
+
+    @property
+    def failing_tensors(self) -> list[str]:
+        return self.row.failing_tensors
+
+    @property
+    def first_wrong(self) -> str:
+        """Forward or backward: what the bisect diagnosed, else what the failing tensors say."""
+        if self.bisect is not None and self.bisect.diagnosis.get("first_wrong"):
+            return str(self.bisect.diagnosis["first_wrong"])
+        return first_wrong(self.failing_tensors) if self.failing_tensors else "the call itself (it crashed)"
+
+    @property
+    def worst(self) -> Figure | None:
+        """The failing tensor that fails worst (NaN/Inf first, then by ratio)."""
+        failed = [f for f in self.figures if f.verdict == FAIL]
+        return max(failed, key=lambda f: (bool(f.nan or f.inf), -math.inf if math.isnan(f.ratio) else f.ratio),
+                   default=None)
+
+
+def standalone_repro(row: Row, report: RunReport) -> tuple[str, str | None]:
+    """(file name, text) of the standalone repro script of a failing row, as `bisect` writes one for its
+    minimal case; ("", None) for a row no script reproduces alone (a depth stack, ranks)."""
+    from attn_doctor.bisect.repro import repro_name, repro_text
+
+    try:
+        text = repro_text(row.coords, report.env, report.tool_version or "", report.command)
+    except ValueError:
+        return "", None
+    return repro_name(row.coords), text
+
+
+def right_paths(rows: list[Row], faulty: Row) -> list[Row]:
+    """The rows that pass on the faulty row's inputs (same case, against the same reference) and tell something
+    about it: the other paths on its very views (its layout), the faulty path itself on other layouts, and the
+    baseline (the yardstick) — in that order."""
+    from attn_doctor.backends import BASELINE
+
+    same_inputs = faulty.coords.baseline_key()
+
+    def telling(row: Row) -> int | None:
+        if row.verdict != PASS or row.coords.baseline_key() != same_inputs or row.coords == faulty.coords:
+            return None
+        if row.layout == faulty.layout:
+            return 0
+        if row.backend == faulty.backend:
+            return 1
+        return 2 if row.coords.is_baseline(BASELINE) else None
+
+    ranked = [(rank, row) for row in rows if (rank := telling(row)) is not None]
+    return [row for _, row in sorted(ranked, key=lambda pair: pair[0])]
+
+
+_SOURCE_LINK = re.compile(r"https?://\S+/(?:blob|tree)/\S+?(?=[\s),;]|$)")
+_SOURCE_PATH = re.compile(r"(?<![\w/.-])(?:transformer_engine|megatron|flash_attn|torch)/[\w/.-]+?\.(?:py|cpp|cu|cuh|h)"
+                          r"(?:(?::|#L)\d+(?:-L?\d+)?)?(?![\w.])")
+
+
+def code_locations(lines: list[str]) -> list[str]:
+    """The source locations known-defect lines name (links into a repository's files, or file paths)."""
+    found = [m.group(0) for line in lines for pattern in (_SOURCE_LINK, _SOURCE_PATH) for m in pattern.finditer(line)]
+    return list(dict.fromkeys(found))
+
 
 def call_rows(rows: list[Row]) -> list[Row]:
     """The rows of single attention calls (layouts, TP shards): the results table; depth rows have theirs."""
@@ -70,26 +259,60 @@ def sort_rows(pairs):
 
 
 
+def fact(f: Fact | None) -> str:
+    return fact_cell(f)[0] if f is not None else "not recorded"
+
+
+def gpu_text(env: EnvReport) -> str:
+    return "; ".join(f"{g.name} ({g.sm}, {g.memory_total_mib} MiB)" for g in env.gpus) or (env.gpus_note or "none")
+
+
+def flash_text(env: EnvReport) -> str:
+    return ", ".join(f"{k} {v.value}" for k, v in env.flash_attn.items() if v.value) or "not installed"
+
+
+def nvte_text(env: EnvReport) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.env_vars.items() if k.startswith(("NVTE_", "CUDNN_"))) or "none set"
+
+
 def compact_env(env: EnvReport) -> list[list[str]]:
     """The few facts a maintainer asks first, as (label, value) rows."""
-
-    def fact(f) -> str:
-        return fact_cell(f)[0]
-
-    gpus = "; ".join(f"{g.name} ({g.sm}, {g.memory_total_mib} MiB)" for g in env.gpus) or (env.gpus_note or "none")
-    flash = ", ".join(f"{k} {v.value}" for k, v in env.flash_attn.items() if v.value) or "not installed"
-    nvte = " ".join(f"{k}={v}" for k, v in env.env_vars.items() if k.startswith(("NVTE_", "CUDNN_"))) or "none set"
     machine = [["CPU", fact(env.cpu)]] if env.cpu is not None else []
     return [
-        ["GPU", gpus],
+        ["GPU", gpu_text(env)],
         *machine,
         ["driver", fact(env.driver)],
         ["torch", f"{fact(env.torch)}, CUDA {fact(env.torch_cuda)}"],
         ["cuDNN (torch)", fact(env.torch_cudnn)],
         ["cuDNN (TE)", fact(env.te_cudnn)],
         ["Transformer Engine", f"{fact(env.te)}; core {fact(env.te_core)}; torch ext {fact(env.te_torch)}"],
-        ["flash-attn", flash],
-        ["NVTE_* / CUDNN_*", nvte],
+        ["flash-attn", flash_text(env)],
+        ["NVTE_* / CUDNN_*", nvte_text(env)],
         ["Python", f"{fact(env.python)} on {fact(env.os) if env.os is not None else fact(env.platform)}"],
     ]
+
+
+def template_environment(env: EnvReport) -> list[tuple[str, str]]:
+    """The facts TE's bug-report template asks for (.github/ISSUE_TEMPLATE/bug_report.md: OS, PyTorch,
+    Python, Transformer Engine, CUDA and cuDNN versions, GPU model), and what else decides the kernel path."""
+    operating_system = fact(env.os) if env.os is not None else fact(env.platform)
+    return [
+        ("GPU model", gpu_text(env)),
+        ("NVIDIA driver", fact(env.driver)),
+        ("CUDA version", f"{fact(env.torch_cuda)} (PyTorch's build)"),
+        ("cuDNN version", f"{fact(env.te_cudnn)} loaded by TE; {fact(env.torch_cudnn)} PyTorch's"),
+        ("Transformer Engine version",
+         f"{fact(env.te)} (core {fact(env.te_core)}; PyTorch extension {fact(env.te_torch)})"),
+        ("PyTorch version", fact(env.torch)),
+        ("Python version", fact(env.python)),
+        ("OS version", f"{operating_system} ({fact(env.platform)})" if env.os is not None else operating_system),
+        ("CPU", fact(env.cpu)),
+        ("flash-attn", flash_text(env)),
+        ("NVTE_* / CUDNN_* variables", nvte_text(env)),
+    ]
+
+
+def te_install(env: EnvReport) -> str:
+    """What attn-doctor knows of how TE was installed: the distribution that provides its core."""
+    return f"the installed distribution is {fact(env.te_core)}" if env.te_core.value else fact(env.te_core)
 

@@ -1,4 +1,4 @@
-"""A sweep's folder: `results.jsonl` (rows streamed point by point, each point flushed to disk as it
+"""Reading any results `report` takes (`load_source`), and a sweep's folder: `results.jsonl` (rows streamed point by point, each point flushed to disk as it
 finishes), `sweep.json` (the sweep's header, written before the first point: command, device, requested
 backends, a first fingerprint) and, once the sweep is over, `results.json`.
 
@@ -17,8 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from attn_doctor.core.errors import BadInput
+from attn_doctor.results.bisect_record import (
+    BisectRecord,
+    is_bisect_document,
+    read_bisect,
+)
 from attn_doctor.results.files import write_atomic, write_atomic_bytes
-from attn_doctor.results.report import RunReport, dumps, read_report
+from attn_doctor.results.report import RunReport, dumps, read_json
 from attn_doctor.results.row import Row
 
 RESULTS_FILE = "results.jsonl"
@@ -121,17 +126,66 @@ def _from_jsonl(path: Path) -> RunReport:
     return RunReport(command=f"(interrupted sweep, read from {path.name})", device="", env=None, rows=rows)
 
 
-def load_results(path: Path) -> tuple[RunReport, Path]:
-    """A run's results.json, or a sweep folder (its results.json, or the results.jsonl of an interrupted
-    sweep with its header); with the folder the document lives in (its plot is beside it)."""
+BISECT_GLOB = "bisect*.json"  # bisect documents in a folder: bisect_<backend>_<id>.json (older: bisect.json)
+
+
+@dataclass
+class Loaded:
+    """What `report` renders: the results document, the folder it lives in (its plot is beside it), the
+    file read, and the bisects of its failing rows (the bisect itself, when a bisect document was given)."""
+
+    report: RunReport
+    directory: Path
+    source: Path
+    bisects: list[BisectRecord] = dataclasses.field(default_factory=list)
+
+
+def load_source(path: Path) -> Loaded:
+    """A run's results.json, a sweep folder (its results.json, or the results.jsonl of an interrupted sweep
+    with its header), or a bisect's folder or document; with the bisect documents beside a results document
+    that started from one of its failing rows."""
     path = Path(path)
     if path.is_dir():
+        bisects = sorted(path.glob(BISECT_GLOB))
         if (path / DOCUMENT_FILE).is_file():
             path = path / DOCUMENT_FILE
         elif (path / RESULTS_FILE).is_file():
-            return _from_jsonl(path / RESULTS_FILE), path
+            path = path / RESULTS_FILE
+        elif len(bisects) == 1:
+            path = bisects[0]
+        elif bisects:
+            raise BadInput(f"{path} holds {len(bisects)} bisect documents ({', '.join(b.name for b in bisects)}); "
+                           "pass one of them")
         else:
-            raise BadInput(f"{path} holds no results.json or results.jsonl; pass a results file or a sweep directory")
+            raise BadInput(f"{path} holds no results.json or results.jsonl (nor a bisect document); pass a results "
+                           "file, a sweep directory or a bisect folder")
     if path.suffix == ".jsonl":
-        return _from_jsonl(path), path.parent
-    return read_report(path), path.parent
+        report = _from_jsonl(path)
+    else:
+        document = read_json(path)
+        if is_bisect_document(document):
+            bisect = read_bisect(document, path)
+            return Loaded(bisect.report(), path.parent, path, [bisect])
+        report = RunReport.from_dict(document, source=str(path))
+    return Loaded(report, path.parent, path, bisects_beside(path.parent, report))
+
+
+def bisects_beside(directory: Path, report: RunReport) -> list[BisectRecord]:
+    """The readable bisect documents in `directory` that started from a failing row of `report` (`bisect
+    --from` writes its document beside the results it started from)."""
+    found = []
+    for path in sorted(directory.glob(BISECT_GLOB)):
+        try:
+            document = read_json(path)
+            bisect = read_bisect(document, path) if is_bisect_document(document) else None
+        except BadInput:  # a damaged bisect beside the results does not stop their report
+            continue
+        if bisect is not None and any(bisect.started_from(row) for row in report.failing_rows):
+            found.append(bisect)
+    return found
+
+
+def load_results(path: Path) -> tuple[RunReport, Path]:
+    """The results document at `path` (see `load_source`) and the folder it lives in."""
+    loaded = load_source(path)
+    return loaded.report, loaded.directory

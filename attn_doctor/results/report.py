@@ -60,6 +60,12 @@ class RunReport:
         """Why nothing that was asked for was tested (exit code 2), or None."""
         return diagnosis.untested(self.rows, self.requested)
 
+    @property
+    def failing_rows(self) -> list[Row]:
+        """The rows where a kernel path FAILs or ERRORs (attn-doctor's own errors name no path): what `bisect
+        --from` counts with --row."""
+        return [row for row in self.rows if row.verdict in ("FAIL", "ERROR") and not row.internal]
+
     @cached_property
     def depth_lines(self) -> list[depth_analysis.DepthLine]:
         return depth_analysis.depth_lines(self.rows)
@@ -120,6 +126,11 @@ def dumps(document: dict[str, Any]) -> str:
 
 
 def read_report(path: Path) -> RunReport:
+    return RunReport.from_dict(read_json(path), source=str(path))
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file attn-doctor wrote (BadInput naming the file when it is missing or not JSON)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -131,4 +142,4 @@ def read_report(path: Path) -> RunReport:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadInput(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be truncated") from None
-    return RunReport.from_dict(document, source=str(path))
+    return document

@@ -56,7 +56,7 @@ def find_faulty(rows: list[RowView]) -> list[Faulty]:
     faulty = []
     for backend, bad in groups.items():
         tensors = list(dict.fromkeys(name for row in bad for name in row.failing_tensors))
-        ratios = [t.ratio for row in bad for t in row.tensors.values() if t.verdict == FAIL]
+        ratios = [t.ratio for row in bad for t in row.tensors.values() if t.verdict == FAIL and not math.isnan(t.ratio)]
         nonfinite = [name for name in tensors if any(
             (t := row.tensors.get(name)) is not None and t.verdict == FAIL and (t.nan or t.inf) for row in bad)]
         failed = [t for row in bad for t in row.tensors.values() if t.verdict == FAIL]
@@ -89,7 +89,15 @@ def _tensor_phrase(tensors: tuple[str, ...]) -> str:
         parts.append("a wrong forward (out)")
     if grads:
         parts.append("wrong " + ", ".join(grads))
-    return " and ".join(parts)
+    return " and ".join(parts) or "wrong results"  # a row whose tensors were not recorded (an old bisect's)
+
+
+def first_wrong(failing: list[str] | tuple[str, ...]) -> str:
+    """Where a fault first shows, from the failing tensors of one call: the forward when out is wrong (the
+    gradients are computed from it), else the backward."""
+    if "out" in failing:
+        return "forward (out is already wrong)"
+    return f"backward (out is right; {', '.join(failing)} wrong)"
 
 
 def requested_rows(rows: list[RowView], requested: list[str] | None) -> list[RowView]:
