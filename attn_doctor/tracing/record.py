@@ -173,7 +173,8 @@ class _Busy(threading.local):
         self.busy = False  # inside a recorded call: calls it makes are not recorded again
 
 
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
+# The frame every module call runs through (absent in a torch without it: no module path, no error).
+_CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
 
 
 def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
@@ -181,7 +182,7 @@ def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
     nn.Module's call frames from `frame` up. Read only when a call is recorded, so that the model's other
     modules run without any hook of the capture (global module hooks cost every module call microseconds)."""
     modules = []
-    while frame is not None:
+    while frame is not None and _CALL_IMPL is not None:
         if frame.f_code is _CALL_IMPL:
             module = frame.f_locals.get("self")
             if isinstance(module, torch.nn.Module):
