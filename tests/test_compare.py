@@ -208,3 +208,59 @@ def test_a_call_whose_output_holds_nan_is_the_one_far_from_float64(tmp_path, mon
     layer, measured = comparison.first_fault()
     assert measured.tensor == "out" and measured.faulty_run == 1, comparison.answer()
     assert comparison.answer().endswith("on rank 0")
+
+
+class _PackedAttention(torch.nn.Module):
+    """TE's DotProductAttention as a capture sees it, for packed (thd) sequences: each sequence of its slot
+    attended causally with SDPA, slot padding left as garbage; `scale` lets one run be wrong."""
+
+    def __init__(self, heads: int, scale: float | None = None):
+        super().__init__()
+        self.num_attention_heads, self.num_gqa_groups, self.qkv_format = heads, heads, "thd"
+        self.attn_mask_type, self.window_size, self.attention_dropout = "padding_causal", None, 0.0
+        self.softmax_type, self.attention_type, self.scale = "vanilla", "self", scale
+
+    def forward(self, query_layer, key_layer, value_layer, cu_seqlens_q=None, cu_seqlens_kv=None,
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None):
+        pieces = []
+        for b in range(len(cu_seqlens_q) - 1):
+            start, length = int(cu_seqlens_q_padded[b]), int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])
+            slot = int(cu_seqlens_q_padded[b + 1]) - start
+            q, k, v = (t[start:start + length].transpose(0, 1) for t in (query_layer, key_layer, value_layer))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            pieces += [out.transpose(0, 1), 7.0 + query_layer[start + length:start + slot]]  # garbage in padding
+        return torch.cat(pieces).reshape(query_layer.shape[0], -1)
+
+
+def test_packed_thd_calls_are_compared_token_for_token_and_a_wrong_run_is_named(tmp_path, monkeypatch):
+    import types
+
+    fake = types.ModuleType("transformer_engine.pytorch")
+    fake.DotProductAttention = _PackedAttention
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake)
+    generator = torch.Generator().manual_seed(5)
+    buffer = torch.randn(24, 3, 2, 8, generator=generator)
+    offsets, slots = torch.tensor([0, 5, 14], dtype=torch.int32), torch.tensor([0, 8, 24], dtype=torch.int32)
+
+    class Model(torch.nn.Module):
+        def __init__(self, scale: float | None):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([_PackedAttention(2, scale)])
+
+        def forward(self):
+            packed = buffer.clone().requires_grad_()
+            out = self.layers[0](packed[:, 0], packed[:, 1], packed[:, 2], cu_seqlens_q=offsets,
+                                 cu_seqlens_kv=offsets, cu_seqlens_q_padded=slots, cu_seqlens_kv_padded=slots,
+                                 max_seqlen_q=16, max_seqlen_kv=16)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)))
+
+    for name, scale in (("a", None), ("b", None), ("wrong", 0.6)):
+        with attn_doctor.capture(tmp_path / name, values=True):
+            Model(scale)()
+    comparison = compare_captures(tmp_path / "a", tmp_path / "b")
+    assert comparison.answer().startswith("same within rounding"), comparison.answer()
+    errors = [e for layer in comparison.layers for m in layer.measured for e in m.e]
+    assert len(errors) == 8 and max(errors) < 1e-5  # fp32 rounding: the garbage in slot padding is not compared
+    differs = compare_captures(tmp_path / "a", tmp_path / "wrong").answer()
+    assert differs.startswith("differs from layer 0") and "is the one far from float64" in differs, differs
+    assert compare_captures(tmp_path / "a", tmp_path / "wrong").labels[1] in differs.split(" is the one")[0]

@@ -3,8 +3,9 @@ TE version against another), layer by layer, as TTrace (arXiv 2506.09280) compar
 single-device one, with the threshold derived rather than guessed.
 
 For every (step, layer) both captures have values of, each run's TP shards are put back together along the
-heads (in tp_rank order) and its CP ranks' chunks along the sequence (`_cp_run_of`), and for out, dQ, dK, dV
-(when the backward recorded them):
+heads (in tp_rank order) and its CP ranks' chunks along the sequence (`_cp_run_of`); packed (thd) calls are put
+at their sequences' places in padded tensors, slot padding zeroed. For out, dQ, dK, dV (when the backward
+recorded them):
 
     d     = ‖A − B‖ / ‖B‖                           how far the runs are apart
     e_A   = ‖A − exact(A's inputs)‖ / ‖exact(A)‖    run A's kernel error on its own inputs (float64 replay)
@@ -29,7 +30,10 @@ from pathlib import Path
 
 import torch
 
+from attn_doctor.core import layouts
+from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
+from attn_doctor.numerics.masks import valid_tokens
 from attn_doctor.tracing.replay import as_bshd, case_of, native_format, with_heads
 from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
 
@@ -147,7 +151,7 @@ def _shard_tensors(call: CapturedCall, root: Path) -> tuple[dict[str, torch.Tens
     case = case_of(call, root)
     if isinstance(case, str):
         raise ValueError(case)
-    raw = _raw(call)
+    raw = _raw(call, case)
     got = {name: raw[name] for name in TENSORS if name in raw}
     reference = attention_reference(raw["q"], raw["k"], raw["v"], raw["dout"], softmax_scale=case.softmax_scale,
                                     semantics=make_semantics(case, raw["q"].device), with_terms=False)
@@ -159,20 +163,29 @@ def _parallel(call: CapturedCall, name: str, default: int = 0) -> int:
     return int(call.meta.get("parallel", {}).get(name, default))
 
 
-def _raw(call: CapturedCall) -> dict[str, torch.Tensor]:
+def _raw(call: CapturedCall, case: Case | None = None) -> dict[str, torch.Tensor]:
     """A call's recorded tensors in bshd (q, k, v, out, dout, and dq, dk, dv when recorded; its boolean
-    attn_mask as `mask` [b, 1, s, s_kv] when it had one)."""
+    attn_mask as `mask` [b, 1, s, s_kv] when it had one). A packed (thd) call's tensors are put at their
+    sequences' places in padded tensors (its `case` gives the packing), and every token outside a sequence is
+    zeroed: what a kernel leaves in slot padding is not an output, and the runs need not agree on it."""
     fmt = native_format(call)
+    packed = None
     if fmt == "thd":
-        raise ValueError("thd calls are not compared yet")
+        if case is None:
+            raise ValueError("thd calls under context parallelism are not compared yet")
+        packed = layouts.packing(case)
     values, dout = load_values(call.values_path), load_values(call.dout_path)["dout"]
     out, dout = (with_heads(t, values["q"]) for t in (values["out"], dout))
-    raw = {name: as_bshd(t, fmt) for name, t in zip(("q", "k", "v", "out", "dout"),
-                                                     (values["q"], values["k"], values["v"], out, dout))}
+    sides = {"q": "q", "k": "kv", "v": "kv", "out": "q", "dout": "q", "dq": "q", "dk": "kv", "dv": "kv"}
+    recorded = {"q": values["q"], "k": values["k"], "v": values["v"], "out": out, "dout": dout}
+    raw = {name: as_bshd(t, fmt, packed, sides[name]) for name, t in recorded.items()}
     for name in ("dq", "dk", "dv"):
         gradient = call.gradient(name)
         if gradient is not None:
-            raw[name] = as_bshd(gradient, fmt)
+            raw[name] = as_bshd(gradient, fmt, packed, sides[name])
+    if packed is not None:
+        valid = dict(zip(("q", "kv"), valid_tokens(case, raw["q"].device)))
+        raw = {name: t * valid[sides[name]][:, :, None, None].to(t.dtype) for name, t in raw.items()}
     if "arg.attn_mask" in values:
         mask = values["arg.attn_mask"]
         raw["mask"] = mask.reshape([1] * (4 - mask.dim()) + list(mask.shape))
