@@ -1,9 +1,10 @@
-"""Reading any results `report` takes (`load_source`), and a sweep's folder: `results.jsonl` (rows streamed point by point, each point flushed to disk as it
-finishes), `sweep.json` (the sweep's header, written before the first point: command, device, requested
-backends, a first fingerprint) and, once the sweep is over, `results.json`.
+"""Reading any results `report` takes (`load_source`), and a sweep's folder: `results.jsonl` (rows streamed
+point by point, each point flushed to disk as it finishes), `sweep.json` (the sweep's header, written before
+the first point: command, device, requested backends, a first fingerprint) and, once the sweep is over,
+`results.json`.
 
 An interrupted sweep loses at most the points in flight; `--resume` skips the points already there, and
-`report` reads the folder as it is (`load_results`), so an interrupted sweep reports exactly what a
+`report` reads the folder as it is (`load_source`), so an interrupted sweep reports exactly what a
 finished one reports for the rows it has.
 """
 
@@ -144,6 +145,14 @@ def load_source(path: Path) -> Loaded:
     """A run's results.json, a sweep folder (its results.json, or the results.jsonl of an interrupted sweep
     with its header), or a bisect's folder or document; with the bisect documents beside a results document
     that started from one of its failing rows."""
+    loaded = _load(path)
+    if not loaded.bisects:  # results, not a bisect: the bisects that started from them
+        loaded.bisects = bisects_beside(loaded.directory, loaded.report)
+    return loaded
+
+
+def _load(path: Path) -> Loaded:
+    """The document at `path` (see `load_source`), a bisect document as its only bisect; no other file read."""
     path = Path(path)
     if path.is_dir():
         bisects = sorted(path.glob(BISECT_GLOB))
@@ -167,7 +176,7 @@ def load_source(path: Path) -> Loaded:
             bisect = read_bisect(document, path)
             return Loaded(bisect.report(), path.parent, path, [bisect])
         report = RunReport.from_dict(document, source=str(path))
-    return Loaded(report, path.parent, path, bisects_beside(path.parent, report))
+    return Loaded(report, path.parent, path)
 
 
 def bisects_beside(directory: Path, report: RunReport) -> list[BisectRecord]:
@@ -186,6 +195,7 @@ def bisects_beside(directory: Path, report: RunReport) -> list[BisectRecord]:
 
 
 def load_results(path: Path) -> tuple[RunReport, Path]:
-    """The results document at `path` (see `load_source`) and the folder it lives in."""
-    loaded = load_source(path)
+    """The results document at `path` (see `load_source`) and the folder it lives in, without reading the
+    bisect documents beside it."""
+    loaded = _load(path)
     return loaded.report, loaded.directory

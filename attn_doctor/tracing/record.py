@@ -225,7 +225,7 @@ class Recorder:
         self.selection = selection or Selection()
         self.calls = 0
         self.value_bytes = 0
-        self._stack = _Busy()
+        self._thread = _Busy()
         self._names: dict[int, tuple[torch.nn.Module, dict[int, str]]] = {}
         self._model: torch.nn.Module | None = None
         self._step = 0
@@ -351,13 +351,13 @@ class Recorder:
 
     def _call(self, api: str, original: Callable, args: tuple, kwargs: dict, bound: dict,
               qkv: tuple[str, str, str], te_module: Any = None) -> Any:
-        if self._stack.busy:
+        if self._thread.busy:
             return original(*args, **kwargs)
-        self._stack.busy = True
+        self._thread.busy = True
         try:
             out = original(*args, **kwargs)
         finally:
-            self._stack.busy = False
+            self._thread.busy = False
         try:
             self._record(api, bound, qkv, out, te_module)
         except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run

@@ -121,7 +121,7 @@ def _sdpa_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
     mask = _captured_tensor(call, "attn_mask")
     if isinstance(mask, str):
         return mask
-    hidden = ~mask if mask.dtype == torch.bool else mask == -math.inf
+    hidden = ~_sdpa_visible(mask)
     if hidden.any():
         if _per_head(hidden):
             return "a per-head attn_mask (attn-doctor's explicit mask is the same for every head)"
@@ -280,6 +280,11 @@ def _bias_shape(shape: list[int]) -> str:
     return {"b11s": "b1ss", "1h1s": "1hss", "bh1s": "bhss"}.get(name, name)
 
 
+def _sdpa_visible(mask: torch.Tensor) -> torch.Tensor:
+    """The pairs SDPA's attn_mask lets through: True in a boolean mask, every entry but -inf in a float one."""
+    return mask if mask.dtype == torch.bool else mask != -math.inf
+
+
 def _per_head(hidden: torch.Tensor) -> bool:
     full = hidden.reshape([1] * (4 - hidden.dim()) + list(hidden.shape))
     return full.shape[1] > 1 and bool((full != full[:, :1]).any())
@@ -289,10 +294,10 @@ def _captured_tensor(call: CapturedCall, name: str) -> torch.Tensor | str:
     """An argument's captured values, or why they are missing."""
     if call.values_path is None:
         return f"{'an' if name[0] in 'aeiou' else 'a'} {name} whose values were not captured (capture with --values)"
-    values = load_values(call.values_path)
+    values = load_values(call.values_path, lambda key: key == f"arg.{name}" or key.startswith(f"arg.{name}."))
     if f"arg.{name}" in values:
         return values[f"arg.{name}"]
-    parts = [values[key] for key in sorted(values) if key.startswith(f"arg.{name}.")]
+    parts = [values[key] for key in sorted(values)]
     return parts if parts else f"{name} whose values were not captured"
 
 
@@ -348,8 +353,7 @@ def captured_mask(case: Case, device: torch.device) -> torch.Tensor:
     if call.meta["api"] == "te.DotProductAttention":
         allowed = _te_arbitrary_mask(call)
     else:
-        mask = load_values(call.values_path)["arg.attn_mask"]
-        allowed = mask if mask.dtype == torch.bool else mask != -math.inf
+        allowed = _sdpa_visible(_captured_tensor(call, "attn_mask"))
     allowed = allowed.to(device)
     allowed = allowed.reshape([1] * (4 - allowed.dim()) + list(allowed.shape))[:, :1]
     return allowed.expand(case.batch, 1, case.seq, case.seq_k).clone()
@@ -382,7 +386,7 @@ def captured_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...
     call = load_call(case.replay)
     fmt = native_format(call)
     if call.values_path is not None:
-        values = load_values(call.values_path)
+        values = load_values(call.values_path, lambda key: key in ("q", "k", "v"))
         q, k, v = values["q"], values["k"], values["v"]
     elif _shares_storage(call):
         q, k, v = _seeded_through_storages(case, call)

@@ -17,6 +17,7 @@ sweep's results.jsonl. Values are safetensors and metadata JSON: loading someone
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,12 @@ def save_values(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     return len(data)
 
 
-def load_values(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_values(path: Path, wanted: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """A values file's tensors, or only those whose names `wanted` accepts (the others are not read)."""
+    from safetensors import safe_open
 
-    return load_file(str(path))
+    with safe_open(str(path), framework="pt") as values:
+        return {name: values.get_tensor(name) for name in values.keys() if wanted is None or wanted(name)}
 
 
 @dataclass(frozen=True)
