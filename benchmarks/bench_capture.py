@@ -1,10 +1,16 @@
 """The cost of `attn_doctor.capture` on a training step: the same model and step with and without a capture
-(metadata only, and with values of one layer), one capture over many steps as a user runs it, median of the
-steps after each block's first, modes in turn twice so drift hits them alike; and the cost of one call on its
-own. Goal (issue 17): metadata-only capture costs under 5% of the step time.
+(metadata only, and with values of one layer), and the cost of one call on its own. Goal (issue 17):
+metadata-only capture costs under 5% of the step time.
 
-    python benchmarks/bench_capture.py [--layers 8] [--hidden 512] [--seq 512] [--batch 4] [--steps 10]
-        [--attention sdpa|te] [--device cpu|cuda] [--dtype fp32|bf16]
+A shared machine's step time drifts by more than the capture costs (10% between runs on the H200's host), so
+the modes run in short blocks, in turn, for many rounds (the order reversed every other round), each block one
+capture over several steps as a user runs it (its first step, which writes the fingerprint, not timed). A
+block's time is the median of its steps; a mode's overhead is the median over rounds of its block against the
+plain block of the same round, given with the middle half of the rounds' figures. The cost of one call: a tiny
+attention called many times, plain and captured in turn, the fastest of each.
+
+    python benchmarks/bench_capture.py [--layers 8] [--hidden 512] [--seq 512] [--batch 4] [--rounds 10]
+        [--steps 5] [--attention sdpa|te] [--device cpu|cuda] [--dtype fp32|bf16]
 
 On a GPU each step ends with a synchronisation, so a step's time is the GPU's and the capture's Python work
 counts only where it delays the kernels' launches.
@@ -63,6 +69,11 @@ def step(model, x) -> None:
         torch.cuda.synchronize()
 
 
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    low, middle, high = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return low, middle, high
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
@@ -70,7 +81,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--attention", choices=("sdpa", "te"), default="sdpa")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -81,29 +93,33 @@ def main() -> None:
     model = model.to(args.device, dtype)
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device, dtype=dtype)
     modes = {"plain": None, "metadata": {}, "values, one layer": {"values": True, "layers": [0]}}
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    blocks: dict[str, list[float]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        for block in range(2):  # each mode twice, in turn, so drift hits them alike
-            for mode, options in modes.items():
-                capture = (attn_doctor.capture(Path(tmp) / f"{mode}-{block}", **options) if options is not None
+        step(model, x)  # the first step of all: kernels chosen and compiled
+        for round_ in range(args.rounds):
+            for mode in list(modes) if round_ % 2 == 0 else list(modes)[::-1]:
+                options = modes[mode]
+                capture = (attn_doctor.capture(Path(tmp) / f"{mode}-{round_}", **options) if options is not None
                            else contextlib.nullcontext())
-                with capture:  # one capture over many steps, as a user runs it
-                    for repeat in range(args.steps // 2 + 1):
+                with capture:
+                    step(model, x)  # not timed: a capture's first call writes the fingerprint
+                    times = []
+                    for _ in range(args.steps):
                         start = time.perf_counter()
                         step(model, x)
-                        if repeat:  # the first step of each block warms up (and writes the fingerprint)
-                            times[mode].append(time.perf_counter() - start)
+                        times.append(time.perf_counter() - start)
+                blocks[mode].append(statistics.median(times))
     machine = platform.processor() or platform.machine()
     if x.is_cuda:
         machine += f", {torch.cuda.get_device_name()}"
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {machine}, "
           f"{torch.get_num_threads()} threads; {args.attention} attention, {args.dtype}, {args.layers} layers, "
-          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}; median of {args.steps} steps")
-    # The cost of one call on its own: a tiny attention of the same kind, plain and captured.
+          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}; {args.rounds} rounds of {args.steps} steps")
+    # The cost of one call on its own: a tiny attention of the same kind, plain and captured in turn.
     q = torch.randn(1, 4, 1, 8, device=args.device, dtype=dtype)  # bshd
     attend = Block(8, 1, args.attention).te_attention or (lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
 
-    def per_call(calls: int = 2000) -> float:
+    def per_call(calls: int = 1000) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             attend(q, q, q)
@@ -111,15 +127,21 @@ def main() -> None:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / calls
 
-    plain_call = min(per_call() for _ in range(3))
-    with tempfile.TemporaryDirectory() as tmp, attn_doctor.capture(tmp):
-        captured_call = min(per_call() for _ in range(3))
-    base = statistics.median(times["plain"])
-    for mode, values in times.items():
-        median = statistics.median(values)
-        print(f"  {mode:18s} {median * 1e3:8.1f} ms/step  overhead {100 * (median - base) / base:+5.1f}%")
-    print(f"  one call, metadata only: {(captured_call - plain_call) * 1e6:.0f} us on top of the call "
-          f"({plain_call * 1e6:.1f} us for the tiny attention itself)")
+    plain_calls, captured_calls = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(7):
+            plain_calls.append(per_call())
+            with attn_doctor.capture(Path(tmp) / str(round_)):
+                attend(q, q, q)  # the fingerprint
+                captured_calls.append(per_call())
+    base = statistics.median(blocks["plain"])
+    print(f"  {'plain':18s} {base * 1e3:8.1f} ms/step")
+    for mode in list(modes)[1:]:
+        low, middle, high = quartiles([ours / plain - 1 for ours, plain in zip(blocks[mode], blocks["plain"])])
+        print(f"  {mode:18s} {statistics.median(blocks[mode]) * 1e3:8.1f} ms/step  overhead {100 * middle:+5.1f}%"
+              f"  (middle half of the rounds: {100 * low:+.1f}% to {100 * high:+.1f}%)")
+    print(f"  one call, metadata only: {(min(captured_calls) - min(plain_calls)) * 1e6:.0f} us on top of the call "
+          f"({min(plain_calls) * 1e6:.1f} us for the tiny attention itself)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 
 import attn_doctor
 from attn_doctor.tracing.compare import FACTOR, compare_captures
+from attn_doctor.tracing.store import read_capture
 from tests.models import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,14 +223,19 @@ class _PackedAttention(torch.nn.Module):
 
     def forward(self, query_layer, key_layer, value_layer, cu_seqlens_q=None, cu_seqlens_kv=None,
                 cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None):
-        pieces = []
-        for b in range(len(cu_seqlens_q) - 1):
-            start, length = int(cu_seqlens_q_padded[b]), int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])
-            slot = int(cu_seqlens_q_padded[b + 1]) - start
-            q, k, v = (t[start:start + length].transpose(0, 1) for t in (query_layer, key_layer, value_layer))
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            pieces += [out.transpose(0, 1), 7.0 + query_layer[start + length:start + slot]]  # garbage in padding
-        return torch.cat(pieces).reshape(query_layer.shape[0], -1)
+        return _attend_packed(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_q_padded, self.scale)
+
+
+def _attend_packed(query_layer, key_layer, value_layer, cu_seqlens, cu_seqlens_padded, scale=None):
+    """Each sequence of its slot attended causally with SDPA, slot padding left as garbage; heads flattened."""
+    pieces = []
+    for b in range(len(cu_seqlens) - 1):
+        start, length = int(cu_seqlens_padded[b]), int(cu_seqlens[b + 1] - cu_seqlens[b])
+        slot = int(cu_seqlens_padded[b + 1]) - start
+        q, k, v = (t[start:start + length].transpose(0, 1) for t in (query_layer, key_layer, value_layer))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        pieces += [out.transpose(0, 1), 7.0 + query_layer[start + length:start + slot]]  # garbage in padding
+    return torch.cat(pieces).reshape(query_layer.shape[0], -1)
 
 
 def test_packed_thd_calls_are_compared_token_for_token_and_a_wrong_run_is_named(tmp_path, monkeypatch):
@@ -264,3 +270,131 @@ def test_packed_thd_calls_are_compared_token_for_token_and_a_wrong_run_is_named(
     differs = compare_captures(tmp_path / "a", tmp_path / "wrong").answer()
     assert differs.startswith("differs from layer 0") and "is the one far from float64" in differs, differs
     assert compare_captures(tmp_path / "a", tmp_path / "wrong").labels[1] in differs.split(" is the one")[0]
+
+
+def _te_cp_share(cu_seqlens_padded: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """The packed tokens TE gives CP rank `cp_rank`, in its order, as tex.thd_get_partitioned_indices computes
+    them (TransformerEngine transformer_engine/common/fused_attn/context_parallel.cu:82-90): local token i of a
+    sequence whose local slot is L (its padded length / cp) is token i + rank * L/2 of that sequence when i < L/2,
+    else i + (2cp - 2 - rank) * L/2."""
+    local = (cu_seqlens_padded // cp).tolist()
+    indices = []
+    for b in range(len(local) - 1):
+        slot = local[b + 1] - local[b]
+        for i in range(slot):
+            offset = cp_rank if i < slot // 2 else 2 * (cp - 1) - cp_rank
+            indices.append(i + local[b] * cp + slot // 2 * offset)
+    return torch.tensor(indices)
+
+
+class _PackedCPAttention(_PackedAttention):
+    """TE's DotProductAttention under context parallelism, one CP rank's call as a capture sees it: the rank's
+    share of the packed tokens (`_te_cp_share`) with the whole batch's cu_seqlens, padded cu_seqlens and
+    max_seqlen (what TE's CP test hands every rank). It computes the rank's rows of the whole attention over
+    every rank's keys and values (`ring`: what TE's p2p exchange brings), so the backward gives each rank's
+    keys the gradient of every rank's queries, as TE's does. `faulty_rank`'s output is 1% off."""
+
+    def __init__(self, heads: int, cp: int, faulty_rank: int | None = None):
+        super().__init__(heads)
+        self.cp, self.faulty_rank, self.cp_rank = cp, faulty_rank, 0
+        self.ring: list[tuple[torch.Tensor, torch.Tensor]] = []  # every rank's (k, v), set before the calls
+
+    def forward(self, query_layer, key_layer, value_layer, cu_seqlens_q=None, cu_seqlens_kv=None,
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None):
+        shares = [_te_cp_share(cu_seqlens_q_padded, self.cp, rank) for rank in range(self.cp)]
+        tokens = int(cu_seqlens_q_padded[-1])
+
+        def whole(parts):
+            return sum(torch.zeros(tokens, *part.shape[1:]).index_copy(0, share, part)
+                       for share, part in zip(shares, parts))
+
+        q = whole([query_layer if rank == self.cp_rank else torch.zeros_like(query_layer) for rank in range(self.cp)])
+        k, v = whole([k for k, _ in self.ring]), whole([v for _, v in self.ring])
+        out = _attend_packed(q, k, v, cu_seqlens_q, cu_seqlens_q_padded)[shares[self.cp_rank]]
+        return out * 1.01 if self.cp_rank == self.faulty_rank else out
+
+
+def _thd_cp_captures(root: Path, faulty_cp_rank: int | None, monkeypatch) -> tuple[Path, Path]:
+    """One packed causal attention (sequences of lengths 5, 11, 2 in slots of 8, 12, 8: padding between them)
+    run whole, and over two simulated CP ranks the way TE splits it (each rank's call its share of the tokens,
+    the whole batch's cu_seqlens, one backward through both)."""
+    import types
+
+    from attn_doctor.tracing import record
+
+    monkeypatch.setattr(record, "_parallel", {})
+    fake = types.ModuleType("transformer_engine.pytorch")
+    fake.DotProductAttention = _PackedCPAttention
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake)
+    generator = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(28, 2, 8, generator=generator) for _ in range(4))
+    dout = dout.reshape(28, 16)
+    offsets = torch.tensor([0, 5, 16, 18], dtype=torch.int32)
+    slots = torch.tensor([0, 8, 20, 28], dtype=torch.int32)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, cp: int):
+            super().__init__()
+            self.cp = cp
+            self.attention = _PackedCPAttention(2, cp, faulty_cp_rank)
+
+        def forward(self):
+            shares = [_te_cp_share(slots, self.cp, rank) for rank in range(self.cp)]
+            leaves = [[t[share].clone().requires_grad_() for t in (q, k, v)] for share in shares]
+            self.attention.ring = [(k_, v_) for _, k_, v_ in leaves]
+            outs = []
+            for cp_rank, (q_, k_, v_) in enumerate(leaves):
+                if self.cp > 1:
+                    attn_doctor.describe_parallel(cp=self.cp, cp_rank=cp_rank)
+                self.attention.cp_rank = cp_rank
+                outs.append(self.attention(q_, k_, v_, cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                                           cu_seqlens_q_padded=slots, cu_seqlens_kv_padded=slots,
+                                           max_seqlen_q=12, max_seqlen_kv=12))
+            torch.autograd.backward(outs, [dout[share] for share in shares])
+
+    class Model(torch.nn.Module):
+        def __init__(self, cp: int):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(cp)])
+
+        def forward(self):
+            self.layers[0]()
+
+    for name, cp in (("whole", 1), ("cp", 2)):
+        with attn_doctor.capture(root / name, values=True):
+            Model(cp)()
+    return root / "whole", root / "cp"
+
+
+def test_cp_token_places_are_te_s_split_of_every_padded_sequence():
+    from attn_doctor.tracing.compare import _cp_token_places
+
+    for cp in (2, 4):
+        slots = torch.tensor([0, 8, 16, 40], dtype=torch.int32)
+        for cp_rank in range(cp):
+            assert torch.equal(_cp_token_places((8, 8, 24), cp, cp_rank), _te_cp_share(slots, cp, cp_rank))
+    with pytest.raises(ValueError, match=r"divide by 2 x CP size \(4\)"):
+        _cp_token_places((8, 6), 2, 0)
+
+
+def test_packed_cp_shares_are_put_back_per_sequence_and_match_the_whole_run(tmp_path, monkeypatch):
+    whole, cp = _thd_cp_captures(tmp_path, None, monkeypatch)
+    calls = read_capture(cp)
+    assert [c.meta["tensors"]["q"]["shape"] for c in calls] == [[14, 2, 8]] * 2  # each rank: half the tokens
+    comparison = compare_captures(whole, cp)
+    assert comparison.answer().startswith("same within rounding"), comparison.answer()
+    (layer,) = comparison.layers
+    assert [m.tensor for m in layer.measured] == ["out", "dq", "dk", "dv"]
+    for m in layer.measured:  # the same inputs, the same tokens: nothing to explain, fp32 rounding apart
+        assert m.d < 1e-5 and m.e_in < 1e-12 and max(m.e) < 1e-5, (m.tensor, m.d, m.e_in, m.e)
+        assert [rank for rank, _ in m.shard_e[1]] == ["0 (cp_rank 0)", "0 (cp_rank 1)"]
+
+
+def test_a_faulty_packed_cp_rank_is_named_with_its_layer(tmp_path, monkeypatch):
+    whole, cp = _thd_cp_captures(tmp_path, 1, monkeypatch)
+    comparison = compare_captures(whole, cp)
+    answer = comparison.answer()
+    assert answer.startswith("differs from layer 0 (step 0) on: te.DotProductAttention, out"), answer
+    assert answer.endswith("on rank 0 (cp_rank 1)"), answer
+    layer, out = comparison.first_fault()
+    assert out.faulty_run == 1 and dict(out.shard_e[1])["0 (cp_rank 0)"] < 1e-5  # rank 0's tokens are right

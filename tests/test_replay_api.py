@@ -263,3 +263,34 @@ def test_cu_seqlens_are_read_once_per_tensor_and_again_after_an_in_place_change(
                               cu_seqlens_kv=offsets, max_seqlen_q=5, max_seqlen_kv=5)
     first, second = (case_of(c, tmp_path / "cap") for c in read_capture(tmp_path / "cap"))
     assert (first.seqlens, second.seqlens) == ((5, 3), (3, 5))
+
+
+def test_te_calls_are_named_by_their_module_in_the_model_on_every_step_and_outside_it(te_stand_in, tmp_path):
+    """After the first call the module path is read from the model's names without walking the stack: it must
+    be the same as the walk gives, step after step, and a module outside the model is still named."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = TEStandIn(2, qkv_format="bshd")
+
+        def forward(self, x):
+            return self.attention(x, x, x).view_as(x)
+
+    class Stray(torch.nn.Module):  # a module of no model: named by the stack, from itself
+        def __init__(self):
+            super().__init__()
+            self.inner = TEStandIn(2, qkv_format="bshd")
+
+        def forward(self, x):
+            return self.inner(x, x, x)
+
+    model = torch.nn.Sequential(Layer(), Layer(), Layer())
+    stray, x = Stray(), torch.randn(1, 4, 2, 8)
+    with attn_doctor.capture(tmp_path / "cap"):
+        for _ in range(2):
+            model(x)
+        stray(x)
+    calls = read_capture(tmp_path / "cap")
+    assert [(c.meta["step"], c.meta["module"], c.meta["layer"]) for c in calls] == [
+        (step, f"{layer}.attention", layer) for step in (0, 1) for layer in range(3)] + [(1, "inner", 3)]

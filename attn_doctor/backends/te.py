@@ -83,7 +83,9 @@ def te_paths() -> list[tuple[str, dict]]:
     return paths
 
 
-class _Capture(logging.Handler):
+class LogLines(logging.Handler):
+    """Keeps the messages of the log records it is given (TE's "DotProductAttention" logger's)."""
+
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.lines: list[str] = []
@@ -110,7 +112,7 @@ class _TE:
         if logging_cls is not None:
             logging_cls._log_level = logging.DEBUG
         self.flash_utils = getattr(utils, "FlashAttentionUtils", None)
-        self.capture = _Capture()
+        self.capture = LogLines()
         logger = logging.getLogger("DotProductAttention")
         logger.addHandler(self.capture)
         logger.setLevel(logging.DEBUG)

@@ -4,8 +4,9 @@ single-device one, with the threshold derived rather than guessed.
 
 For every (step, layer) both captures have values of, each run's TP shards are put back together along the
 heads (in tp_rank order) and its CP ranks' chunks along the sequence (`_cp_run_of`); packed (thd) calls are put
-at their sequences' places in padded tensors, slot padding zeroed. For out, dQ, dK, dV (when the backward
-recorded them):
+at their sequences' places in padded tensors, slot padding zeroed, a CP rank's packed tokens first put back at
+their places in the whole packed tensors (TE's split of every sequence, `_cp_token_places`). For out, dQ, dK,
+dV (when the backward recorded them):
 
     d     = ‖A − B‖ / ‖B‖                           how far the runs are apart
     e_A   = ‖A − exact(A's inputs)‖ / ‖exact(A)‖    run A's kernel error on its own inputs (float64 replay)
@@ -24,6 +25,7 @@ far apart there (`Comparison.inputs_at_start`), the runs do not compute the same
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,26 +165,27 @@ def _parallel(call: CapturedCall, name: str, default: int = 0) -> int:
     return int(call.meta.get("parallel", {}).get(name, default))
 
 
-def _raw(call: CapturedCall, case: Case | None = None) -> dict[str, torch.Tensor]:
+def _raw(call: CapturedCall, case: Case | None = None, cp_share: tuple[int, int] | None = None
+         ) -> dict[str, torch.Tensor]:
     """A call's recorded tensors in bshd (q, k, v, out, dout, and dq, dk, dv when recorded; its boolean
     attn_mask as `mask` [b, 1, s, s_kv] when it had one). A packed (thd) call's tensors are put at their
     sequences' places in padded tensors (its `case` gives the packing), and every token outside a sequence is
-    zeroed: what a kernel leaves in slot padding is not an output, and the runs need not agree on it."""
+    zeroed: what a kernel leaves in slot padding is not an output, and the runs need not agree on it. With
+    `cp_share` (cp, cp_rank) the packed call is that CP rank's share of the whole call `case` describes: its
+    tokens go to their places in the whole (`_cp_token_places`), every other token is zero."""
     fmt = native_format(call)
-    packed = None
-    if fmt == "thd":
-        if case is None:
-            raise ValueError("thd calls under context parallelism are not compared yet")
-        packed = layouts.packing(case)
+    packed = layouts.packing(case) if fmt == "thd" else None
     values, dout = load_values(call.values_path), load_values(call.dout_path)["dout"]
     out, dout = (with_heads(t, values["q"]) for t in (values["out"], dout))
     sides = {"q": "q", "k": "kv", "v": "kv", "out": "q", "dout": "q", "dq": "q", "dk": "kv", "dv": "kv"}
     recorded = {"q": values["q"], "k": values["k"], "v": values["v"], "out": out, "dout": dout}
-    raw = {name: as_bshd(t, fmt, packed, sides[name]) for name, t in recorded.items()}
     for name in ("dq", "dk", "dv"):
         gradient = call.gradient(name)
         if gradient is not None:
-            raw[name] = as_bshd(gradient, fmt, packed, sides[name])
+            recorded[name] = gradient
+    if packed is not None and cp_share is not None:
+        recorded = {name: _in_whole_packed(t, packed, sides[name], *cp_share, name) for name, t in recorded.items()}
+    raw = {name: as_bshd(t, fmt, packed, sides[name]) for name, t in recorded.items()}
     if packed is not None:
         valid = dict(zip(("q", "kv"), valid_tokens(case, raw["q"].device)))
         raw = {name: t * valid[sides[name]][:, :, None, None].to(t.dtype) for name, t in raw.items()}
@@ -192,79 +195,164 @@ def _raw(call: CapturedCall, case: Case | None = None) -> dict[str, torch.Tensor
     return raw
 
 
+def _cp_token_places(slots: tuple[int, ...], cp: int, cp_rank: int) -> torch.Tensor:
+    """Where CP rank `cp_rank`'s tokens are in the whole tensor, in the order the rank holds them: of every
+    sequence slot (one after the other, as in a packed tensor; a bshd sequence is one slot), cut in 2*cp equal
+    chunks, chunk cp_rank then chunk 2*cp-1-cp_rank (so every rank gets as much of a causal mask's work).
+
+    This is TE's split for bshd/sbhd and for packed (thd) calls alike (TransformerEngine d0067d0):
+    - thd: each sequence is split on its padded slot (cu_seqlens_*_padded), not on its length: the kernel
+      behind tex.thd_get_partitioned_indices maps local token i of a sequence with local slot L to
+      i + rank * L/2 of the sequence when i < L/2, else to i + (2*cp-2-rank) * L/2
+      (transformer_engine/common/fused_attn/context_parallel.cu:82-90), as Megatron-style
+      get_batch_on_this_cp_rank slices [r*c, (r+1)*c) and [(2cp-1-r)*c, (2cp-r)*c) of every padded sequence
+      (transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py:5322-5339), and TE's CP
+      test splits a thd batch so (tests/pytorch/attention/run_attention_with_cp.py:470-477). A rank's padded
+      tokens are those of its two chunks past the sequence's length (`get_cu_seqlens_on_cp_rank`,
+      context_parallel.py:210-232): a chunk can be all padding.
+    - A rank's call gets the whole batch's cu_seqlens_q/_kv, cu_seqlens_*_padded and max_seqlen_*, not its own:
+      TE's test passes the global ones to every rank (run_attention_with_cp.py:535-542, the local ones are made
+      only to compare, :635-648), and AttnFuncWithCPAndKVP2P divides them by cp itself
+      (context_parallel.py:1446-1450); its q, k and v hold 1/cp of the padded tokens. Keys and values come in
+      the same split with every cp_comm_type (all-gather reorders them to sequence order inside,
+      context_parallel.py:3217-3223).
+    - TE requires every padded sequence to divide by 2*cp (context_parallel.cu:100-103, the note in
+      dot_product_attention/utils.py:1168) and, for thd, cu_seqlens_*_padded (context_parallel.py:5050-5052;
+      FusedAttention otherwise takes cu_seqlens as the padded ones, backends.py:2207-2210)."""
+    if any(slot % (2 * cp) for slot in slots):
+        raise ValueError(f"sequence slots {list(slots)} that do not all divide by 2 x CP size ({2 * cp}), as TE's "
+                         "context parallelism requires")
+    places, start = [], 0
+    for slot in slots:
+        chunk = slot // (2 * cp)
+        for index in (cp_rank, 2 * cp - 1 - cp_rank):
+            places.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
+        start += slot
+    return torch.cat(places) if places else torch.zeros(0, dtype=torch.long)
+
+
+def _in_whole_packed(t: torch.Tensor, packed: layouts.Packing, side: str, cp: int, cp_rank: int,
+                     name: str) -> torch.Tensor:
+    """A CP rank's packed tensor put at its places in the whole packed tensor, zeros at the other ranks'."""
+    slots = packed.slots_q if side == "q" else packed.slots_kv
+    places = _cp_token_places(slots, cp, cp_rank)
+    if t.shape[0] != len(places):
+        raise ValueError(f"CP rank {cp_rank}'s {name} holds {t.shape[0]} tokens; its share of the sequence slots "
+                         f"{list(slots)} is {len(places)}")
+    return t.new_zeros(sum(slots), *t.shape[1:]).index_copy_(0, places.to(t.device), t)
+
+
+def _whole_packed_case(call: CapturedCall, root: Path, cp: int) -> Case:
+    """The whole packed call a CP rank's thd call is a share of: the call's own arguments (TE gives every rank
+    the whole batch's cu_seqlens, `_cp_token_places`) with cp times its tokens."""
+    if call.meta["api"] != "te.DotProductAttention":
+        raise ValueError(f"thd calls of {call.meta['api']} under context parallelism are not compared (TE's "
+                         "DotProductAttention's split of the sequences is the one known)")
+    tensors = {name: {**t, "shape": [t["shape"][0] * cp, *t["shape"][1:]]} if name in ("q", "k", "v") else t
+               for name, t in call.meta["tensors"].items()}
+    case = case_of(dataclasses.replace(call, meta={**call.meta, "tensors": tensors}), root)
+    if isinstance(case, str):
+        raise ValueError(case)
+    return case
+
+
 def _load_balanced(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """CP ranks' local tensors put back in sequence order: rank r holds chunks r and 2cp-1-r (the split
-    Megatron and TE use so that every rank gets as much of a causal mask's work)."""
-    cp = len(parts)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for rank, part in enumerate(parts):
-        first, second = part.chunk(2, dim=dim)
-        chunks[rank], chunks[2 * cp - 1 - rank] = first, second
-    return torch.cat(chunks, dim=dim)
+    """CP ranks' local tensors (in cp_rank order) put back in sequence order (`_cp_token_places`)."""
+    cp, seq = len(parts), sum(part.shape[dim] for part in parts)
+    places = torch.cat([_cp_token_places((seq,), cp, rank) for rank in range(cp)])
+    return torch.cat(parts, dim=dim).index_select(dim, torch.argsort(places).to(parts[0].device))
 
 
 def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
     """A context-parallel run: TP shards joined along the heads per CP rank, then the CP ranks' chunks joined
-    along the sequence (`_load_balanced`). Keys and values either come in chunks too (TE's p2p and a2a) or
-    whole on every rank (all-gather), whose dK and dV are then each rank's share, summed. The float64 replay
-    runs on the whole sequence: a CP rank's call alone is not a whole attention."""
+    along the sequence (`_load_balanced`; a packed call's per sequence, `_cp_token_places`). Keys and values
+    either come in chunks too (TE's p2p and a2a; every packed call) or whole on every rank (all-gather), whose
+    dK and dV are then each rank's share, summed. The float64 replay runs on the whole sequence: a CP rank's
+    call alone is not a whole attention."""
     from attn_doctor.numerics.masks import Semantics
     from attn_doctor.numerics.reference import attention_reference
 
     ranks = sorted({_parallel(c, "cp_rank") for c in calls})
     if ranks != list(range(cp)):
         raise ValueError(f"CP ranks {ranks} of {cp} were captured with values; capture every rank's")
+    first = min(calls, key=lambda c: (_parallel(c, "cp_rank"), _parallel(c, "tp_rank")))
+    packed_case = _whole_packed_case(first, root, cp) if native_format(first) == "thd" else None
     per_rank = []
     for cp_rank in ranks:
         shards = sorted((c for c in calls if _parallel(c, "cp_rank") == cp_rank), key=lambda c: _parallel(c, "tp_rank"))
-        raws = [_raw(c) for c in shards]
+        raws = [_raw(c, packed_case, (cp, cp_rank)) for c in shards]
         joined = {n: torch.cat([r[n] for r in raws], dim=2) for n in raws[0] if n != "mask"}
         if "mask" in raws[0]:
             joined["mask"] = raws[0]["mask"]
         per_rank.append((shards, joined))
-    local = per_rank[0][1]["q"].shape[1]
-    whole = {n: _load_balanced([j[n] for _, j in per_rank], dim=1) for n in ("q", "out", "dout", "dq")
-             if all(n in j for _, j in per_rank)}
-    gathered = per_rank[0][1]["k"].shape[1] != local  # keys whole on every rank
-    for n in ("k", "v", "dk", "dv"):
-        if not all(n in j for _, j in per_rank):
-            continue
-        parts = [j[n] for _, j in per_rank]
-        whole[n] = (parts[0] if n in ("k", "v") else sum(parts)) if gathered else _load_balanced(parts, dim=1)
-    case = case_of(per_rank[0][0][0], root)
+    case = packed_case or case_of(first, root)
     if isinstance(case, str):
         raise ValueError(case)
-    if case.bias != "no_bias" or ("mask" in per_rank[0][1] and per_rank[0][1]["mask"].dtype != torch.bool):
-        raise ValueError("a bias (or float attn_mask) under context parallelism is not compared yet")
+    if (case.bias != "no_bias" or case.softmax != "vanilla"
+            or ("mask" in per_rank[0][1] and per_rank[0][1]["mask"].dtype != torch.bool)):
+        raise ValueError("a bias, a float attn_mask or a softmax sink under context parallelism is not compared yet")
+    present = [n for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv") if all(n in j for _, j in per_rank)]
+    local = per_rank[0][1]["q"].shape[1]
+    gathered = packed_case is None and per_rank[0][1]["k"].shape[1] != local  # keys whole on every rank
+    if packed_case is not None:  # every rank's tokens at their places already, zeros at the others'
+        whole = {n: sum(j[n] for _, j in per_rank) for n in present}
+    else:
+        whole = {n: _load_balanced([j[n] for _, j in per_rank], dim=1) for n in present
+                 if not (gathered and n in ("k", "v", "dk", "dv"))}
+        if gathered:
+            whole.update({n: per_rank[0][1][n] for n in ("k", "v") if n in present})
+            whole.update({n: sum(j[n] for _, j in per_rank) for n in ("dk", "dv") if n in present})
     seq, seq_kv = whole["q"].shape[1], whole["k"].shape[1]
-    fields = {**case.to_dict(), "seq": seq, "seq_kv": seq_kv, "replay": None, "seqlens": None, "seqlens_kv": None}
-    if "mask" in per_rank[0][1]:  # each rank's rows of the explicit mask, in sequence order
-        fields.update(mask="arbitrary", mask_source="random:0")
-        mask = _load_balanced([j["mask"].expand(-1, -1, local, -1) for _, j in per_rank], dim=2)
-    from attn_doctor.core.case import make_case
+    if packed_case is not None:
+        whole_case = packed_case
+    else:
+        from attn_doctor.core.case import make_case
 
-    whole_case = make_case(**fields)
+        fields = {**case.to_dict(), "seq": seq, "seq_kv": seq_kv, "replay": None, "seqlens": None,
+                  "seqlens_kv": None}
+        if "mask" in per_rank[0][1]:
+            fields.update(mask="arbitrary", mask_source="random:0")
+        whole_case = make_case(**fields)
     semantics = Semantics(whole_case)
-    if "mask" in per_rank[0][1]:
+    if "mask" in per_rank[0][1]:  # each rank's rows of the explicit mask, in sequence order
+        mask = _load_balanced([j["mask"].expand(-1, -1, local, -1) for _, j in per_rank], dim=2)
         semantics.allowed = mask.expand(whole_case.batch, 1, seq, seq_kv)
     reference = attention_reference(whole["q"], whole["k"], whole["v"], whole["dout"],
                                     softmax_scale=whole_case.softmax_scale, semantics=semantics, with_terms=False)
     names = [n for n in TENSORS if n in whole]
     got = {n: whole[n] for n in names}
     exact = {n: getattr(reference, n) for n in names}
-    chunk = local // 2
-    rows = {rank: torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                             torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]) for rank in ranks}
     firsts = [shards[0] for shards, _ in per_rank]
     labels = [_shard_label(first, firsts, "cp_rank") for first in firsts]
+    owned = {rank: _cp_rank_tokens(whole_case if packed_case is not None else None, (seq, seq_kv), cp, rank,
+                                   whole["q"].device) for rank in ranks}
+    sides = {"out": "q", "dq": "q", "dk": "kv", "dv": "kv"}
     shard_e = {}
-    for n in names:  # each CP rank's own rows (keys too, when they come in chunks)
+    for n in names:  # each CP rank's own tokens (keys too, when they come in chunks)
         if n in ("dk", "dv") and gathered:  # every rank's share summed: not one rank's
             shard_e[n] = [("every CP rank (summed)", _relative(got[n], exact[n]))]
             continue
-        shard_e[n] = [(label, _relative(got[n].index_select(1, rows[rank]), exact[n].index_select(1, rows[rank])))
+        mine = {rank: owned[rank][sides[n]].expand(got[n].shape[:2]) for rank in ranks}
+        shard_e[n] = [(label, _relative(got[n][mine[rank]], exact[n][mine[rank]]))
                       for label, rank in zip(labels, ranks)]
     return _Run(calls[0].meta["api"], got, exact, shard_e, torch.finfo(whole["q"].dtype).eps)
+
+
+def _cp_rank_tokens(packed_case: Case | None, seqs: tuple[int, int], cp: int, cp_rank: int,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Boolean [batch or 1, seq] per side (q, kv) of the whole bshd tensors: the tokens CP rank `cp_rank`
+    computed (`_cp_token_places`); of a packed call those in its sequences only (the slot padding is zeroed)."""
+    if packed_case is None:
+        return {side: torch.zeros(seq, dtype=torch.bool, device=device).index_fill(
+            0, _cp_token_places((seq,), cp, cp_rank).to(device), True)[None] for side, seq in zip(("q", "kv"), seqs)}
+    packed = layouts.packing(packed_case)
+    valid = dict(zip(("q", "kv"), valid_tokens(packed_case, device)))
+    owned = {}
+    for side, slots in (("q", packed.slots_q), ("kv", packed.slots_kv)):
+        flat = torch.zeros(sum(slots), dtype=torch.bool, device=device)
+        flat[_cp_token_places(slots, cp, cp_rank).to(device)] = True
+        owned[side] = as_bshd(flat, "thd", packed, side) & valid[side]
+    return owned
 
 
 def _run_of(calls: list[CapturedCall], root: Path) -> _Run:

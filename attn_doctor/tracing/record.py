@@ -5,7 +5,8 @@ What is wrapped, for as long as the capture runs: `torch.nn.functional.scaled_do
 `DotProductAttention.forward` and flash-attn's `flash_attn_func` / `flash_attn_varlen_func` (TE and flash-attn
 when imported, before or after the capture starts). Each call is passed through untouched (same arguments,
 same tensors, no copy before the call, no synchronisation), so a capture never changes the numbers of the run
-it observes; then its metadata is written (`attn_doctor.tracing.store`): every tensor's shape, dtype, strides,
+it observes; then its metadata is written (`attn_doctor.tracing.store`; the line is made by
+`attn_doctor.tracing.describe`, its repeating part once per call signature): every tensor's shape, dtype, strides,
 storage offset and storage size (tensors sharing a storage share its id, so packed q/k/v views replay as
 packed), the call's arguments (small integer tensors such as cu_seqlens with their values), what TE chose
 (its backend, sub-backend and layout, read back from TE, and TE's own reasons: the lines its debug log gives),
@@ -20,8 +21,9 @@ model inputs, no other activations.
 
 The layer is the first number in the module path (`decoder.layers.17.self_attention` -> 17: Megatron's and
 Hugging Face's naming), else the call's position within its forward pass. The step counts forward passes of
-the outermost module running at the first recorded call (the model). Both are read from the Python stack when
-a call is recorded: no hook runs on the model's other modules.
+the outermost module running at the first recorded call (the model), with a pre-hook on it alone: no hook runs
+on the model's other modules. The module path is read from the Python stack until the model is known; then
+a module of the model is named from the model's own names (`Recorder._where`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,9 @@ import importlib
 import importlib.abc
 import inspect
 import json
-import logging
 import os
 import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -45,9 +45,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from attn_doctor.tracing import store
+from attn_doctor.tracing.describe import CallDescriber
 
 DEFAULT_MAX_BYTES = 256 * 2**20
-SMALL_INT_TENSOR = 65_536  # integer tensors up to this many elements (lengths, offsets) keep their values
 ENV_OPTIONS = "ATTN_DOCTOR_CAPTURE"  # the options of `attn-doctor capture`, as JSON, for the child processes
 
 
@@ -86,13 +86,6 @@ def describe_parallel(**sizes: int) -> None:
     _parallel.update(sizes)
 
 
-def _rank() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 def _parallel_sizes() -> dict[str, int]:
     """TP/CP/DP sizes and ranks: what `describe_parallel` said, else Megatron's parallel_state if it is set up."""
     if _parallel:
@@ -107,52 +100,6 @@ def _parallel_sizes() -> dict[str, int]:
     except Exception:  # noqa: BLE001 - a fact we could not read is absent, never a failed run
         pass
     return {}
-
-
-def tensor_meta(t: torch.Tensor, storages: dict[int, int]) -> dict[str, Any]:
-    """A tensor's geometry: what replay needs to rebuild the same view into a storage of the same size."""
-    storage = t.untyped_storage()
-    sid = storages.setdefault(storage.data_ptr(), len(storages))
-    return {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
-            "dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device),
-            "storage": {"id": sid, "nbytes": storage.nbytes()}, "requires_grad": t.requires_grad}
-
-
-class SmallValues:
-    """The values of small integer tensors (cu_seqlens), read once per tensor: reading a GPU tensor waits for
-    the GPU, and a model passes the same cu_seqlens to every layer. A tensor is known by its identity and its
-    version counter (which in-place writes bump); a weak reference tells a freed tensor from a new one that
-    took its id."""
-
-    def __init__(self) -> None:
-        self._known: dict[int, tuple[weakref.ref, int, list[int]]] = {}
-
-    def of(self, t: torch.Tensor) -> list[int]:
-        known = self._known.get(id(t))
-        if known is not None and known[0]() is t and known[1] == t._version:
-            return known[2]
-        values = t.detach().to("cpu").reshape(-1).tolist()
-        if len(self._known) > 256:
-            self._known = {key: entry for key, entry in self._known.items() if entry[0]() is not None}
-        self._known[id(t)] = (weakref.ref(t), t._version, values)
-        return values
-
-
-def describe_value(value: Any, storages: dict[int, int], small: SmallValues | None = None) -> Any:
-    """An argument as JSON: tensors by their geometry (small integer ones with their values), the rest as
-    plain values or their repr."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.Tensor):
-        meta = {"tensor": tensor_meta(value, storages)}
-        if not value.is_floating_point() and value.dtype != torch.bool and value.numel() <= SMALL_INT_TENSOR:
-            meta["values"] = (small or SmallValues()).of(value)
-        return meta
-    if isinstance(value, (list, tuple)):
-        return [describe_value(v, storages, small) for v in value]
-    if isinstance(value, dict):
-        return {str(k): describe_value(v, storages, small) for k, v in value.items()}
-    return {"repr": repr(value)[:500]}
 
 
 def _binder(function: Callable) -> Callable[[tuple, dict], dict[str, Any] | None]:
@@ -177,18 +124,32 @@ class _Busy(threading.local):
 _CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
 
 
-def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
-    """The modules whose forward is running in this thread, outermost first: the `self` of each of
-    nn.Module's call frames from `frame` up. Read only when a call is recorded, so that the model's other
-    modules run without any hook of the capture (global module hooks cost every module call microseconds)."""
-    modules = []
+def _running_modules(frame: Any) -> Iterator[torch.nn.Module]:
+    """The modules whose forward is running in this thread, innermost first: the `self` of each of nn.Module's
+    call frames from `frame` up."""
     while frame is not None and _CALL_IMPL is not None:
         if frame.f_code is _CALL_IMPL:
             module = frame.f_locals.get("self")
             if isinstance(module, torch.nn.Module):
-                modules.append(module)
+                yield module
         frame = frame.f_back
-    return modules[::-1]
+
+
+def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
+    """The modules whose forward is running in this thread, outermost first. Read only when a call is recorded,
+    so that the model's other modules run without any hook of the capture (global module hooks cost every
+    module call microseconds)."""
+    return list(_running_modules(frame))[::-1]
+
+
+def innermost_module(frame: Any) -> torch.nn.Module | None:
+    """The innermost module whose forward is running in this thread."""
+    return next(_running_modules(frame), None)
+
+
+def _layer_of(path: str) -> int | None:
+    """The first number in a module path (`decoder.layers.17.self_attention` -> 17)."""
+    return next((int(part) for part in path.split(".") if part.isdigit()), None)
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):
@@ -226,16 +187,16 @@ class Recorder:
         self.calls = 0
         self.value_bytes = 0
         self._thread = _Busy()
-        self._names: dict[int, tuple[torch.nn.Module, dict[int, str]]] = {}
+        self._names: dict[int, tuple[torch.nn.Module, dict[int, tuple[str, int | None]]]] = {}
         self._model: torch.nn.Module | None = None
         self._step = 0
         self._ordinal = 0
         self._lock = threading.Lock()
         self._undo: list[Callable[[], None]] = []
         self._log: store.CallLog | None = None
-        self._small_values = SmallValues()
-        self._te_reasons: dict[int, tuple[Any, list[str]]] = {}  # TE's reasons, by its parameters object
-        self._process = {"pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+        self._describer = CallDescriber(
+            {"pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+        self._rank_from_environment: tuple[int, int] | None = None
 
     # -- starting and stopping --
 
@@ -287,9 +248,20 @@ class Recorder:
 
     # -- where we are in the model --
 
-    def _where(self) -> tuple[str, int | None]:
+    def _where(self, te_module: Any) -> tuple[str, int | None]:
         """The module path of the recorded call (the innermost running module, named from the outermost) and
-        its layer. The first outermost module seen is the model: a pre-hook on it alone counts the steps."""
+        its layer. The first outermost module seen is the model: a pre-hook on it alone counts the steps. Once
+        the model is known, a module of it is named without walking the whole stack (a fifth of a call's cost
+        on the H200's host): a TE call's module is the DotProductAttention called, a function's the innermost
+        running module."""
+        model = self._model
+        if model is not None:
+            known = self._names.get(id(model))
+            inner = te_module if te_module is not None else innermost_module(sys._getframe(1))
+            if known is not None and known[0] is model and inner is not None:
+                found = known[1].get(id(inner))
+                if found is not None:
+                    return found
         stack = modules_on_stack(sys._getframe(1))
         if not stack:
             return "", None
@@ -300,10 +272,9 @@ class Recorder:
                 self._undo.append(outermost.register_forward_pre_hook(self._next_step).remove)
             known = self._names.get(id(outermost))
             if known is None or known[0] is not outermost:
-                known = self._names[id(outermost)] = (outermost, {id(m): n for n, m in outermost.named_modules()})
-        path = known[1].get(id(stack[-1]), type(stack[-1]).__name__)
-        numbers = [int(part) for part in path.split(".") if part.isdigit()]
-        return path, numbers[0] if numbers else None
+                known = self._names[id(outermost)] = (outermost, {
+                    id(m): (name, _layer_of(name)) for name, m in outermost.named_modules()})
+        return known[1].get(id(stack[-1]), (type(stack[-1]).__name__, None))
 
     def _next_step(self, module: torch.nn.Module, args: Any) -> None:
         with self._lock:
@@ -331,7 +302,6 @@ class Recorder:
             if bound is None:
                 return original(module, *args, **kwargs)
             bound.pop(next(iter(bound)), None)  # self
-            bound["module"] = _te_module_settings(module)
             return self._call("te.DotProductAttention", original, (module, *args), kwargs, bound,
                               ("query_layer", "key_layer", "value_layer"), te_module=module)
 
@@ -367,8 +337,8 @@ class Recorder:
     # -- writing a call --
 
     def _record(self, api: str, bound: dict, qkv: tuple[str, str, str], out: Any, te_module: Any) -> None:
-        rank, world = _rank()
-        path, layer = self._where()
+        rank, world = self._rank()
+        path, layer = self._where(te_module)
         with self._lock:
             index = self.calls
             self.calls += 1
@@ -376,27 +346,31 @@ class Recorder:
             self._ordinal += 1
         layer = layer if layer is not None else ordinal
         step = self._step
-        storages: dict[int, int] = {}
         output = out[0] if isinstance(out, (tuple, list)) else out
-        tensors = {name: tensor_meta(bound[key], storages) for name, key in zip(("q", "k", "v"), qkv)
+        tensors = {name: bound[key] for name, key in zip(("q", "k", "v"), qkv)
                    if isinstance(bound.get(key), torch.Tensor)}
         if isinstance(output, torch.Tensor):
-            tensors["out"] = tensor_meta(output, storages)
-        arguments = {k: describe_value(v, storages, self._small_values) for k, v in bound.items() if k not in qkv}
-        meta = {"api": api, "index": index, "process": self._process, "rank": rank, "world_size": world,
-                "parallel": _parallel_sizes(),
-                "module": path, "layer": layer, "step": step, "tensors": tensors, "arguments": arguments,
-                "values": None}
-        if te_module is not None:
-            meta["te"] = _te_choice(self._te_reasons)
+            tensors["out"] = output
+        values = None
         if self.selection.wants(layer, step, rank):
-            meta["values"] = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound,
-                                               qkv, output)
+            values = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound, qkv, output)
+        line = self._describer.line(
+            api=api, rank=rank, world_size=world, parallel=_parallel_sizes(), tensors=tensors,
+            arguments={k: v for k, v in bound.items() if k not in qkv}, te_module=te_module, index=index,
+            module_path=path, layer=layer, step=step, values=values)
         with self._lock:
             if self._log is None:  # the first call: the rank is known now (torchrun sets it up after start)
                 _write_env(store.rank_dir(self.root, rank) / "env.json")
                 self._log = store.CallLog(self.root, rank, os.getpid())
-            self._log.append(meta)
+            self._log.append_line(line)
+
+    def _rank(self) -> tuple[int, int]:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        if self._rank_from_environment is None:  # torchrun's, set before the process starts
+            self._rank_from_environment = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        return self._rank_from_environment
 
     def _save_values(self, stem: Path, bound: dict, qkv: tuple[str, str, str], output: Any) -> str:
         values = {name: bound[key] for name, key in zip(("q", "k", "v"), qkv)
@@ -435,93 +409,6 @@ class Recorder:
 
             tensor.register_hook(save_input_gradient)
         return stem.name + ".safetensors"
-
-
-def _te_module_settings(module: Any) -> dict[str, Any]:
-    """The DotProductAttention constructor settings a call depends on (read from the module)."""
-    names = ("qkv_format", "attn_mask_type", "window_size", "softmax_type", "num_attention_heads",
-             "num_gqa_groups", "hidden_size_per_attention_head_k", "hidden_size_per_attention_head_v",
-             "hidden_size_per_attention_head", "softmax_scale", "attention_type", "tp_size", "deterministic",
-             "layer_number", "cp_comm_type", "bottom_right_diagonal")
-    attributes = vars(module)  # plain attributes: nn.Module's __getattr__ makes each missing name cost microseconds
-    settings = {name: describe_value(attributes[name], {}) for name in names if name in attributes}
-    if "softmax_scale" not in settings:  # TE keeps the scale on its backends (fused_attention, ...), not itself
-        inner = getattr(getattr(module, "fused_attention", None), "softmax_scale", None)
-        if isinstance(inner, (int, float)):
-            settings["softmax_scale"] = inner
-    dropout = attributes.get("attention_dropout")
-    settings["attention_dropout"] = getattr(dropout, "p", dropout) if not isinstance(dropout, (int, float)) else dropout
-    group = attributes.get("cp_group")
-    with contextlib.suppress(Exception):
-        settings["cp_size"] = torch.distributed.get_world_size(group) if group is not None else 1
-    fp8 = (sys.modules.get("transformer_engine.pytorch.fp8")
-           or sys.modules.get("transformer_engine.pytorch.quantization"))
-    manager = getattr(fp8, "FP8GlobalStateManager", None)
-    with contextlib.suppress(Exception):
-        if manager is not None and manager.is_fp8_enabled():
-            recipe = manager.get_fp8_recipe()
-            settings["fp8_recipe"] = {
-                "type": type(recipe).__name__, "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),
-                "format": str(getattr(recipe, "fp8_format", "")).rpartition(".")[2] or None,
-                "margin": getattr(recipe, "margin", None), "repr": repr(recipe)[:500]}
-    return settings
-
-
-def _te_choice(reasons: dict[int, tuple[Any, list[str]]]) -> dict[str, Any]:
-    """The backend TE chose for the call just made, read from TE's own selection state and named as the TE
-    backend's rows name it (`attn_doctor.backends.te.describe_state`), and why: TE's own reasons, found once
-    per parameters object (finding them runs TE's selection again, which costs about as much as the call; TE
-    keeps its parameters object while they do not change). `reasons` holds the objects it keyed, so that their
-    ids are not reused while it knows them."""
-    from attn_doctor.backends.te import describe_state
-
-    dpa = sys.modules.get("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
-    state = getattr(dpa, "_attention_backends", None)  # imported by the TE call just made, when TE has it
-    if not isinstance(state, dict):  # an older or newer TE: the choice is unknown, not an error
-        return {"backend": "unknown (TE's selection state not readable)"}
-    params = state.get("attention_params")
-    known = reasons.get(id(params))
-    if params is not None and (known is None or known[0] is not params):
-        if len(reasons) >= 64:
-            reasons.clear()
-        known = reasons[id(params)] = (params, _te_reasons(params))
-    return {"backend": describe_state(state), "qkv_layout": getattr(params, "qkv_layout", None),
-            "deterministic": getattr(params, "deterministic", None), "reasons": known[1] if known else []}
-
-
-TE_REASONS = ("Disabling", "Available backends", "Selected backend")
-
-
-class _Caught(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _te_reasons(params: Any) -> list[str]:
-    """TE's account of its choice: its selection function run again on the same parameters with its debug log
-    caught (the "Disabling X due to ..." lines TE prints under NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2), nothing
-    printed and TE's logging left as it was."""
-    try:
-        utils = importlib.import_module("transformer_engine.pytorch.attention.dot_product_attention.utils")
-        settings = utils.AttentionLogging
-        logger = logging.getLogger("DotProductAttention")
-    except Exception as exc:  # noqa: BLE001 - an older or newer TE: no reasons, never a failed run
-        return [f"unreadable ({type(exc).__name__})"]
-    caught = _Caught()
-    saved = (settings._log_level, logger.level, logger.propagate, logger.handlers[:])
-    settings._log_level, logger.propagate, logger.handlers = logging.DEBUG, False, [caught]
-    try:
-        utils.get_attention_backend(params)
-    except Exception as exc:  # noqa: BLE001
-        caught.messages.append(f"unreadable ({type(exc).__name__}: {exc})")
-    finally:
-        settings._log_level, level, logger.propagate, logger.handlers = saved
-        logger.setLevel(level)
-    return [m[:500] for m in caught.messages if m.startswith(TE_REASONS + ("unreadable",))]
 
 
 def _write_env(path: Path) -> None:

@@ -52,8 +52,9 @@ class CallLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's lifetime
 
-    def append(self, meta: dict) -> None:
-        self._handle.write(json.dumps(meta, separators=(",", ":")) + "\n")
+    def append_line(self, line: str) -> None:
+        """One call's JSON text (one line: JSON text never holds a raw newline)."""
+        self._handle.write(line + "\n")
         self._handle.flush()
 
     def close(self) -> None:

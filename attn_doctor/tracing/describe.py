@@ -1,0 +1,304 @@
+"""What a recorded call says about itself: its tensors' geometry, its arguments, TE's module settings and TE's
+choice, as the JSON line the capture writes (`attn_doctor.tracing.store`); and what keeps that cheap.
+
+A model makes the same call again and again (every layer, every step), and describing a call (building its dict
+and encoding it) cost more than half of the capture's time per call. So the part of a line that does not change
+between such calls is encoded once per *signature*: a tuple of the raw facts the description is made from
+(shapes, strides, offsets, dtypes, storage sizes and which tensors share a storage; argument values; the TE
+module's attributes; TE's selection state), cheaper to build than the description and equal exactly when the
+description would be equal. What varies per call (its index, module path, layer, step and values file) is added
+to the cached text. Whatever cannot be keyed exactly (an argument of another type, e.g. an object whose repr
+could change) is described in full each time.
+
+A key may hold ids of objects (a TE module's attributes, TE's parameters object): its entry keeps those objects
+alive, so that no other object can take their id while the entry is cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import sys
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+SMALL_INT_TENSOR = 65_536  # integer tensors up to this many elements (lengths, offsets) keep their values
+
+
+def tensor_meta(t: torch.Tensor, storages: dict[int, int]) -> dict[str, Any]:
+    """A tensor's geometry: what replay needs to rebuild the same view into a storage of the same size."""
+    storage = t.untyped_storage()
+    sid = storages.setdefault(storage.data_ptr(), len(storages))
+    return {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
+            "dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device),
+            "storage": {"id": sid, "nbytes": storage.nbytes()}, "requires_grad": t.requires_grad}
+
+
+def _keeps_values(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and t.dtype != torch.bool and t.numel() <= SMALL_INT_TENSOR
+
+
+class SmallValues:
+    """The values of small integer tensors (cu_seqlens), read once per tensor: reading a GPU tensor waits for
+    the GPU, and a model passes the same cu_seqlens to every layer. A tensor is known by its identity and its
+    version counter (which in-place writes bump); a weak reference tells a freed tensor from a new one that
+    took its id."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
+
+    def of(self, t: torch.Tensor) -> tuple[int, ...]:
+        known = self._known.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            return known[2]
+        values = tuple(t.detach().to("cpu").reshape(-1).tolist())
+        if len(self._known) > 256:
+            self._known = {key: entry for key, entry in self._known.items() if entry[0]() is not None}
+        self._known[id(t)] = (weakref.ref(t), t._version, values)
+        return values
+
+
+def describe_value(value: Any, storages: dict[int, int], small: SmallValues | None = None) -> Any:
+    """An argument as JSON: tensors by their geometry (small integer ones with their values), the rest as
+    plain values or their repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        meta: dict[str, Any] = {"tensor": tensor_meta(value, storages)}
+        if _keeps_values(value):
+            meta["values"] = list((small or SmallValues()).of(value))
+        return meta
+    if isinstance(value, (list, tuple)):
+        return [describe_value(v, storages, small) for v in value]
+    if isinstance(value, dict):
+        return {str(k): describe_value(v, storages, small) for k, v in value.items()}
+    return {"repr": repr(value)[:500]}
+
+
+class Unkeyable(Exception):
+    """A value whose description no key determines exactly: the call is described in full."""
+
+
+def value_key(value: Any, storages: dict[int, int], small: SmallValues) -> Hashable:
+    """What `describe_value(value, storages)` is made from, with the same effect on `storages`. Types are part
+    of the key (True, 1 and 1.0 are equal in Python, not in JSON), floats by their repr (-0.0 == 0.0)."""
+    kind = type(value)
+    if value is None or kind is bool or kind is int or kind is str:
+        return kind, value
+    if kind is float:
+        return kind, repr(value)
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        sid = storages.setdefault(storage.data_ptr(), len(storages))
+        values = None if value.is_floating_point() or not _keeps_values(value) else small.of(value)
+        return (value.shape, value.stride(), value.storage_offset(), value.dtype, value.device, sid,
+                storage.nbytes(), value.requires_grad, values)
+    if kind is tuple or kind is list:
+        return list, tuple(value_key(v, storages, small) for v in value)
+    if kind is dict:
+        return dict, tuple((str(k), value_key(v, storages, small)) for k, v in value.items())
+    raise Unkeyable(kind.__name__)
+
+
+TE_SETTINGS = ("qkv_format", "attn_mask_type", "window_size", "softmax_type", "num_attention_heads",
+               "num_gqa_groups", "hidden_size_per_attention_head_k", "hidden_size_per_attention_head_v",
+               "hidden_size_per_attention_head", "softmax_scale", "attention_type", "tp_size", "deterministic",
+               "layer_number", "cp_comm_type", "bottom_right_diagonal")
+TE_READ = TE_SETTINGS + ("attention_dropout", "cp_group")  # the attributes te_module_settings reads
+
+
+def _fp8_recipe() -> Any:
+    """TE's FP8 recipe while FP8 is on, else None."""
+    fp8 = (sys.modules.get("transformer_engine.pytorch.fp8")
+           or sys.modules.get("transformer_engine.pytorch.quantization"))
+    manager = getattr(fp8, "FP8GlobalStateManager", None)
+    with contextlib.suppress(Exception):
+        if manager is not None and manager.is_fp8_enabled():
+            return manager.get_fp8_recipe()
+    return None
+
+
+def te_module_settings(module: Any) -> dict[str, Any]:
+    """The DotProductAttention constructor settings a call depends on (read from the module), and the FP8
+    recipe in force."""
+    attributes = vars(module)  # plain attributes: nn.Module's __getattr__ makes each missing name cost microseconds
+    settings = {name: describe_value(attributes[name], {}) for name in TE_SETTINGS if name in attributes}
+    if "softmax_scale" not in settings:  # TE keeps the scale on its backends (fused_attention, ...), not itself
+        inner = getattr(getattr(module, "fused_attention", None), "softmax_scale", None)
+        if isinstance(inner, (int, float)):
+            settings["softmax_scale"] = inner
+    dropout = attributes.get("attention_dropout")
+    settings["attention_dropout"] = getattr(dropout, "p", dropout) if not isinstance(dropout, (int, float)) else dropout
+    group = attributes.get("cp_group")
+    with contextlib.suppress(Exception):
+        settings["cp_size"] = torch.distributed.get_world_size(group) if group is not None else 1
+    recipe = _fp8_recipe()
+    if recipe is not None:
+        settings["fp8_recipe"] = {
+            "type": type(recipe).__name__, "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),
+            "format": str(getattr(recipe, "fp8_format", "")).rpartition(".")[2] or None,
+            "margin": getattr(recipe, "margin", None), "repr": repr(recipe)[:500]}
+    return settings
+
+
+_MISSING = object()
+_MISSINGS = (_MISSING,) * len(TE_READ)
+
+
+def te_settings_key(module: Any, pins: list) -> Hashable:
+    """What `te_module_settings(module)` is made from: the objects it reads, by identity (their values are
+    immutable: strings, numbers, tuples, a process group), and the FP8 recipe's fields by value (a recipe is a
+    mutable dataclass)."""
+    attributes = vars(module)
+    read = [*map(attributes.get, TE_READ, _MISSINGS)]
+    if "softmax_scale" not in attributes:  # the submodule by its dict: nn.Module's __getattr__ costs microseconds
+        read.append(getattr(attributes.get("_modules", {}).get("fused_attention"), "softmax_scale", None))
+    dropout = attributes.get("attention_dropout")
+    if dropout is not None and not isinstance(dropout, (int, float)):
+        read.append(getattr(dropout, "p", None))  # a Dropout module: its p may be set in place
+    recipe = _fp8_recipe()
+    pins.append(read)
+    if recipe is None:
+        return tuple(map(id, read)), None
+    fields = tuple(vars(recipe).items())
+    if not all(isinstance(value, Hashable) for _, value in fields):
+        raise Unkeyable(type(recipe).__name__)
+    return tuple(map(id, read)), type(recipe), fields
+
+
+TE_DPA = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
+TE_CHOICE = ("use_flash_attention", "flash_attention_backend", "use_fused_attention", "fused_attention_backend",
+             "use_unfused_attention")
+
+
+def _te_state() -> dict | None:
+    state = getattr(sys.modules.get(TE_DPA), "_attention_backends", None)  # imported by the TE call just made
+    return state if isinstance(state, dict) else None
+
+
+def te_choice_key(pins: list) -> Hashable:
+    """What `te_choice` reads from TE's selection state: its flags, and its parameters object by identity
+    (TE replaces the object when the parameters change)."""
+    state = _te_state()
+    if state is None:
+        return None
+    params = state.get("attention_params")
+    pins.append(params)
+    return id(params), tuple(map(state.get, TE_CHOICE))
+
+
+def te_choice(reasons: dict[int, tuple[Any, list[str]]]) -> dict[str, Any]:
+    """The backend TE chose for the call just made, read from TE's own selection state and named as the TE
+    backend's rows name it (`attn_doctor.backends.te.describe_state`), and why: TE's own reasons, found once
+    per parameters object (finding them runs TE's selection again, which costs about as much as the call; TE
+    keeps its parameters object while they do not change). `reasons` holds the objects it keyed, so that their
+    ids are not reused while it knows them."""
+    from attn_doctor.backends.te import describe_state
+
+    state = _te_state()
+    if state is None:  # an older or newer TE: the choice is unknown, not an error
+        return {"backend": "unknown (TE's selection state not readable)"}
+    params = state.get("attention_params")
+    known = reasons.get(id(params))
+    if params is not None and (known is None or known[0] is not params):
+        if len(reasons) >= 64:
+            reasons.clear()
+        known = reasons[id(params)] = (params, te_reasons(params))
+    return {"backend": describe_state(state), "qkv_layout": getattr(params, "qkv_layout", None),
+            "deterministic": getattr(params, "deterministic", None), "reasons": known[1] if known else []}
+
+
+TE_REASONS = ("Disabling", "Available backends", "Selected backend")
+
+
+def te_reasons(params: Any) -> list[str]:
+    """TE's account of its choice: its selection function run again on the same parameters with its debug log
+    caught (the "Disabling X due to ..." lines TE prints under NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2), nothing
+    printed and TE's logging left as it was."""
+    from attn_doctor.backends.te import LogLines
+
+    try:
+        utils = importlib.import_module("transformer_engine.pytorch.attention.dot_product_attention.utils")
+        settings = utils.AttentionLogging
+        logger = logging.getLogger("DotProductAttention")
+    except Exception as exc:  # noqa: BLE001 - an older or newer TE: no reasons, never a failed run
+        return [f"unreadable ({type(exc).__name__})"]
+    caught = LogLines()
+    saved = (settings._log_level, logger.level, logger.propagate, logger.handlers[:])
+    settings._log_level, logger.propagate, logger.handlers = logging.DEBUG, False, [caught]
+    try:
+        utils.get_attention_backend(params)
+    except Exception as exc:  # noqa: BLE001
+        caught.lines.append(f"unreadable ({type(exc).__name__}: {exc})")
+    finally:
+        settings._log_level, level, logger.propagate, logger.handlers = saved
+        logger.setLevel(level)
+    return [m[:500] for m in caught.lines if m.startswith(TE_REASONS + ("unreadable",))]
+
+
+class CallDescriber:
+    """A call's JSON line, its unchanging part encoded once per signature (see the module docstring).
+
+    `line(...)` gives the same text as it does with `memo=False`, which describes the call in full each time
+    (the tests compare the two over calls that differ in each of the facts a signature is made from)."""
+
+    LIMIT = 4096  # signatures kept; a model has a handful (one per distinct call), a step-varying one many
+
+    def __init__(self, process: dict[str, Any]) -> None:
+        self.process = process
+        self.small = SmallValues()
+        self.te_reasons: dict[int, tuple[Any, list[str]]] = {}  # TE's reasons, by its parameters object
+        self._texts: dict[Hashable, tuple[str, list]] = {}
+        self._paths: dict[str, str] = {}
+
+    @property
+    def signatures(self) -> int:
+        return len(self._texts)
+
+    def line(self, *, api: str, rank: int, world_size: int, parallel: dict[str, int],
+             tensors: dict[str, torch.Tensor], arguments: dict[str, Any], te_module: Any, index: int,
+             module_path: str, layer: int | None, step: int, values: str | None, memo: bool = True) -> str:
+        """`tensors`: q, k, v, out by name; `arguments`: the call's other arguments by name; `te_module`: the
+        TE module called, or None; `values`: the values file's name, or why there is none."""
+        key = pins = None
+        if memo:
+            pins = []
+            try:
+                storages: dict[int, int] = {}
+                key = (api, rank, world_size, tuple(parallel.items()),
+                       tuple((name, value_key(t, storages, self.small)) for name, t in tensors.items()),
+                       tuple((name, value_key(v, storages, self.small)) for name, v in arguments.items()),
+                       None if te_module is None else (te_settings_key(te_module, pins), te_choice_key(pins)))
+                cached = self._texts.get(key)
+            except (Unkeyable, TypeError):  # TypeError: an unhashable value in TE's state or settings
+                key = cached = None
+            if cached is not None:
+                return self._line(index, module_path, layer, step, values, cached[0])
+        storages = {}
+        whole = {"api": api, "process": self.process, "rank": rank, "world_size": world_size,
+                 "parallel": parallel, "tensors": {name: tensor_meta(t, storages) for name, t in tensors.items()},
+                 "arguments": {name: describe_value(v, storages, self.small) for name, v in arguments.items()}}
+        if te_module is not None:
+            whole["arguments"]["module"] = te_module_settings(te_module)
+            whole["te"] = te_choice(self.te_reasons)
+        text = json.dumps(whole, separators=(",", ":"))
+        if key is not None:
+            if len(self._texts) >= self.LIMIT:
+                self._texts.clear()
+            self._texts[key] = (text, pins)
+        return self._line(index, module_path, layer, step, values, text)
+
+    def _line(self, index: int, module_path: str, layer: int | None, step: int, values: str | None,
+              fixed: str) -> str:
+        path = self._paths.get(module_path)
+        if path is None:  # a model's few module paths, encoded once each
+            if len(self._paths) >= self.LIMIT:
+                self._paths.clear()
+            path = self._paths[module_path] = json.dumps(module_path)
+        return (f'{{"index":{index},"module":{path},"layer":{"null" if layer is None else layer},"step":{step},'
+                f'"values":{"null" if values is None else json.dumps(values)},{fixed[1:]}')

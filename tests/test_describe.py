@@ -1,0 +1,99 @@
+"""A captured call's line, encoded once per signature (attn_doctor/tracing/describe.py): the cached text must be
+what describing the call in full gives, for calls that differ in each fact a signature is made from, and calls
+that repeat must be served from the cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import torch
+
+from attn_doctor.tracing.describe import CallDescriber
+
+TE_STATE = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
+FP8 = "transformer_engine.pytorch.fp8"
+
+
+class Recipe:
+    """TE's FP8 recipes are mutable dataclasses: their fields can change in place."""
+
+    def __init__(self, margin: int = 0):
+        self.margin, self.fp8_dpa, self.fp8_format = margin, True, "Format.HYBRID"
+
+    def __repr__(self) -> str:
+        return f"Recipe(margin={self.margin}, fp8_dpa={self.fp8_dpa})"
+
+
+class Module:
+    """A TE DotProductAttention as the capture reads it: plain attributes."""
+
+    def __init__(self) -> None:
+        self.qkv_format, self.attn_mask_type, self.window_size = "bshd", "causal", (-1, 0)
+        self.num_attention_heads, self.attention_dropout, self.softmax_scale = 2, 0.0, 0.125
+
+
+def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_cache(monkeypatch):
+    params = types.SimpleNamespace(qkv_layout="bshd_bshd_bshd", deterministic=False)
+    state = {"attention_params": params, "use_fused_attention": True, "fused_attention_backend": 1}
+    monkeypatch.setitem(sys.modules, TE_STATE, types.SimpleNamespace(_attention_backends=state))
+    manager = types.SimpleNamespace(recipe=None)
+    manager.is_fp8_enabled = lambda: manager.recipe is not None
+    manager.get_fp8_recipe = lambda: manager.recipe
+    monkeypatch.setitem(sys.modules, FP8, types.SimpleNamespace(FP8GlobalStateManager=manager))
+
+    packed = torch.randn(2, 6, 3, 2, 4, requires_grad=True)
+    lengths = torch.tensor([0, 4, 6], dtype=torch.int32)
+    module = Module()
+    base = {"q": packed[:, :, 0], "k": packed[:, :, 1], "v": packed[:, :, 2], "out": torch.randn(2, 6, 8)}
+
+    def call(tensors=None, **arguments):
+        return {"tensors": tensors or base,
+                "arguments": {"cu_seqlens_q": lengths, "max_seqlen_q": 6, "dropout_p": 0.0} | arguments}
+
+    def fused_to_flash():
+        state.update(use_fused_attention=False, use_flash_attention=True, flash_attention_backend="2.7")
+
+    def new_parameters():
+        state["attention_params"] = types.SimpleNamespace(qkv_layout="bshd_bs2hd", deterministic=True)
+
+    other_buffer = torch.randn_like(packed).requires_grad_()
+    variants = [  # (what changes before the call, the call): each differs from the one before in one fact
+        (None, call()),
+        (None, call()),  # a repeat
+        (None, call({**base, "q": packed[:, :, 0].transpose(1, 2)})),  # strides
+        (None, call({**base, "q": packed[:, 1:, 0]})),  # storage offset and shape
+        (None, call({**base, "k": other_buffer[:, :, 1]})),  # which tensors share a storage (same geometry)
+        (None, call({**base, "q": base["q"].detach()})),  # requires_grad
+        (None, call({**base, "out": base["out"].double()})),  # dtype
+        (lambda: lengths.copy_(torch.tensor([0, 3, 6])), call()),  # cu_seqlens changed in place
+        (None, call(max_seqlen_q=True)), (None, call(max_seqlen_q=1)), (None, call(max_seqlen_q=1.0)),
+        (None, call(dropout_p=-0.0)), (None, call(dropout_p=0.0)),
+        (None, call(window=(4, 0))), (None, call(window=[4, 0])),
+        (None, call(other=object())), (None, call(other=object())),  # no key: described in full each time
+        (lambda: setattr(module, "attn_mask_type", "padding_causal"), call()),
+        (lambda: delattr(module, "window_size"), call()),
+        (lambda: setattr(module, "window_size", None), call()),
+        (fused_to_flash, call()),
+        (new_parameters, call()),
+        (lambda: setattr(manager, "recipe", Recipe()), call()),
+        (lambda: setattr(manager.recipe, "margin", 2), call()),
+        (None, call()),  # a repeat
+    ]
+    memo = CallDescriber({"pid": 1})
+    for index, (change, arguments) in enumerate(variants):
+        if change is not None:
+            change()
+        common = dict(api="te.DotProductAttention", rank=0, world_size=1, parallel={}, te_module=module,
+                      index=index, module_path="layers.0.attention", layer=0, step=0, values=None, **arguments)
+        line = memo.line(**common)
+        assert line == CallDescriber({"pid": 1}).line(**common, memo=False), variants[index]
+        assert json.loads(line)["index"] == index
+    # 25 calls: 2 without a key; 4 served from the cache (the two repeats, dropout 0.0 after -0.0 (call 7's
+    # signature), a list after a tuple (the same in JSON)); each of the other 19 has its own signature.
+    assert memo.signatures == 19
+    described = json.loads(memo.line(**common))
+    assert described["arguments"]["module"]["fp8_recipe"]["margin"] == 2
+    assert described["te"]["backend"].startswith("FlashAttention") and described["te"]["qkv_layout"] == "bshd_bs2hd"
+    assert described["arguments"]["cu_seqlens_q"]["values"] == [0, 3, 6]
