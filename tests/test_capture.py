@@ -65,6 +65,18 @@ def test_values_are_recorded_for_the_selection_only_with_the_output_gradient(tmp
     assert dout.shape == values["out"].shape and dout.abs().sum() > 0
 
 
+def test_a_call_whose_q_k_and_v_are_one_tensor_is_recorded_with_its_values(tmp_path):
+    """`sdpa(q, q, q)` on the CPU: the values file must hold q, k and v each (safetensors refuses one memory
+    under several names, and the call was lost, metadata and all)."""
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with attn_doctor.capture(tmp_path, values=True):
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+    (call,) = read_capture(tmp_path)
+    values = load_values(call.values_path)
+    assert all(torch.equal(values[name], q.detach()) for name in "qkv")
+    assert call.meta["tensors"]["q"]["storage"] == call.meta["tensors"]["k"]["storage"]
+
+
 def test_values_over_the_budget_keep_their_metadata_and_say_why(tmp_path):
     with attn_doctor.capture(tmp_path, values=True, max_bytes=70_000):
         tiny_gpt.train(steps=1, layers=3)

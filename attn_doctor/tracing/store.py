@@ -63,10 +63,12 @@ class CallLog:
 
 def save_values(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     """The tensors' values (as their views show them, contiguous, on the CPU) in one safetensors file, written
-    atomically; returns its size in bytes."""
+    atomically; returns its size in bytes. Each is a copy of its own: safetensors refuses two names for one
+    memory, which a call like `sdpa(q, q, q)` on the CPU would otherwise hand it."""
     from safetensors.torch import save
 
-    data = save({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()})
+    data = save({name: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+                 for name, t in tensors.items()})
     write_atomic_bytes(path, data)
     return len(data)
 
