@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -215,3 +216,15 @@ def test_a_repro_that_still_needs_its_capture_reruns_attn_doctor_on_it(capture_d
         done = subprocess.run([sys.executable, path], cwd=tmp_path, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert done.returncode == expected, done.stdout + done.stderr
+
+
+def test_a_damaged_values_file_is_bad_input_said_before_any_work(run_cli, capture_dir, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(capture_dir, damaged)
+    call = _with_values(damaged)
+    call.values_path.write_bytes(call.values_path.read_bytes()[:40])  # cut off, as a full disk leaves it
+    result = run_cli(["replay", damaged, "--backend", "sdpa", "--device", "cpu", "--out", tmp_path / "r"])
+    assert result.exit_code == 2, result.output
+    (line,) = [text for text in result.output.splitlines() if text.startswith("attn-doctor: error:")]
+    assert call.values_path.name in line and "capture again" in line and "Traceback" not in result.output
+    assert not (tmp_path / "r").exists()

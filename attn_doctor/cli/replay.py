@@ -54,6 +54,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     app.console.print(f"{len(calls)} calls, {len(groups)} distinct:")
     for number, members in enumerate(groups.values(), start=1):
         chosen = next((c for c in members if c.values_path is not None), members[0])
+        chosen.check_values()  # a damaged file is the capture's fault: said now, not as ERROR rows later
         case = case_of(chosen, capture_dir, seed)
         tp_ranks = [c.meta.get("parallel", {}).get("tp_rank") for c in members]
         where = (f"{len(members)} call{'s' * (len(members) > 1)}: {members[0].meta['api']}, ranks "

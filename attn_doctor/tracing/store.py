@@ -74,11 +74,16 @@ def save_values(path: Path, tensors: dict[str, torch.Tensor]) -> int:
 
 
 def load_values(path: Path, wanted: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
-    """A values file's tensors, or only those whose names `wanted` accepts (the others are not read)."""
+    """A values file's tensors, or only those whose names `wanted` accepts (the others are not read). Bad input
+    when the file is damaged (cut off, overwritten): it is the capture's, not attn-doctor's."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as values:
-        return {name: values.get_tensor(name) for name in values.keys() if wanted is None or wanted(name)}
+    try:
+        with safe_open(str(path), framework="pt") as values:
+            return {name: values.get_tensor(name) for name in values.keys() if wanted is None or wanted(name)}
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error type varies between its versions
+        raise BadInput(f"{path} is not a readable values file ({type(exc).__name__}: {str(exc)[:120]}); the "
+                       "capture is damaged: capture again") from None
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,13 @@ class CapturedCall:
     @property
     def dout_path(self) -> Path | None:
         return self._file(".dout.safetensors")
+
+    def check_values(self) -> None:
+        """Bad input when a values file of the call (its forward's, its output gradient's) is damaged; reads
+        only the files' headers."""
+        for path in (self.values_path, self.dout_path):
+            if path is not None:
+                load_values(path, lambda name: False)
 
     def gradient(self, name: str) -> torch.Tensor | None:
         """dq, dk or dv as the captured run's backward computed it, when recorded."""
