@@ -65,6 +65,22 @@ def _packed_thd(tokens: int, heads: int = 2, dim: int = 8) -> torch.Tensor:
     return torch.randn(tokens, 3, heads, dim, requires_grad=True)
 
 
+def test_a_side_without_padded_offsets_has_its_sequences_as_slots_in_the_case_and_its_packing(te_stand_in,
+                                                                                              tmp_path):
+    """TE takes a side's cu_seqlens as its padded offsets when the call gives none for it (never the other
+    side's padded ones): the checks of the case and the slots the replay packs into must follow the same rule."""
+    q, kv = (torch.randn(16, 2, 8, requires_grad=True) for _ in range(2))
+    lengths_q, slots_q = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 7, 16], dtype=torch.int32)
+    lengths_kv = torch.tensor([0, 8, 16], dtype=torch.int32)
+    module = TEStandIn(2, qkv_format="thd", attn_mask_type="padding")
+    call = _capture_te(tmp_path / "cap", module, q, kv, kv, cu_seqlens_q=lengths_q, cu_seqlens_kv=lengths_kv,
+                       cu_seqlens_q_padded=slots_q, max_seqlen_q=9, max_seqlen_kv=8)
+    case = case_of(call, tmp_path / "cap")
+    assert not isinstance(case, str), case
+    assert (case.seqlens, case.seqlens_kv, case.pad_between_seqs) == ((5, 3), (8, 8), True)
+    assert (packing(case).slots_q, packing(case).slots_kv) == ((7, 9), (8, 8))
+
+
 def test_a_packed_thd_call_comes_back_token_for_token_in_its_own_slots(te_stand_in, run_cli, tmp_path):
     buffer = _packed_thd(16)
     offsets, slots = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 7, 16], dtype=torch.int32)

@@ -80,6 +80,19 @@ def _lengths(offsets: list[int] | None) -> tuple[int, ...] | None:
     return None if offsets is None else tuple(b - a for a, b in zip(offsets, offsets[1:]))
 
 
+def _packed_offsets(call: CapturedCall) -> dict[str, tuple[list[int] | None, list[int] | None]]:
+    """A packed call's sequence offsets and slot offsets, per side (q, kv): TE's cu_seqlens_*_padded, or the
+    side's cu_seqlens when it has none (as TE takes them); flash-attn's varlen calls have no slots of their
+    own. A call without cu_seqlens_kv uses the query side's."""
+    args = call.meta["arguments"]
+    te = call.meta["api"] == "te.DotProductAttention"
+    cu_q, cu_kv = _offsets(args.get("cu_seqlens_q")), _offsets(args.get("cu_seqlens_kv" if te else "cu_seqlens_k"))
+    padded_q, padded_kv = ((_offsets(args.get("cu_seqlens_q_padded")), _offsets(args.get("cu_seqlens_kv_padded")))
+                           if te else (None, None))
+    cu_kv = cu_kv or cu_q
+    return {"q": (cu_q, padded_q or cu_q), "kv": (cu_kv, padded_kv or cu_kv)}
+
+
 def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
     """The case a captured call asks, or why it cannot be replayed yet."""
     meta = call.meta
@@ -148,8 +161,7 @@ def _flash_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
         fields["window"] = tuple(window)
     fields["scale"] = args.get("softmax_scale")
     if call.meta["api"].endswith("varlen_func"):
-        reason = _thd_fields(call, shapes, fields, args.get("cu_seqlens_q"), args.get("cu_seqlens_k"), None, None,
-                             args.get("max_seqlen_q"), args.get("max_seqlen_k"))
+        reason = _thd_fields(call, shapes, fields, args.get("max_seqlen_q"), args.get("max_seqlen_k"))
         if reason is not None:
             return reason
         same = fields["seqlens"] == fields.get("seqlens_kv", fields["seqlens"])
@@ -194,9 +206,7 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
             "window" in fields or bias_type == "alibi"):
         return "bottom_right_diagonal=False with a window or ALiBi (attn-doctor aligns them as TE's default does)"
     if fmt == "thd":
-        return _thd_fields(call, shapes, fields, args.get("cu_seqlens_q"), args.get("cu_seqlens_kv"),
-                           args.get("cu_seqlens_q_padded"), args.get("cu_seqlens_kv_padded"),
-                           args.get("max_seqlen_q"), args.get("max_seqlen_kv"))
+        return _thd_fields(call, shapes, fields, args.get("max_seqlen_q"), args.get("max_seqlen_kv"))
     order = (1, 0) if fmt == "sbhd" else (0, 1)
     b, s = (shapes["q"][i] for i in order)
     fields.update(batch=b, seq=s, seq_kv=shapes["k"][order[1]], heads=shapes["q"][2], head_dim=shapes["q"][3],
@@ -215,17 +225,16 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
     return None
 
 
-def _thd_fields(call: CapturedCall, shapes: dict, fields: dict, cu_q: Any, cu_kv: Any, padded_q: Any,
-                padded_kv: Any, max_q: int | None, max_kv: int | None) -> str | None:
-    """A packed call's sequences: lengths from cu_seqlens, slots from the padded offsets; every token of the
-    packed tensors must sit in a sequence's slot."""
+def _thd_fields(call: CapturedCall, shapes: dict, fields: dict, max_q: int | None,
+                max_kv: int | None) -> str | None:
+    """A packed call's sequences: lengths from cu_seqlens, slots from the padded offsets (`_packed_offsets`);
+    every token of the packed tensors must sit in a sequence's slot."""
     sides = {}
-    for side, cu, padded, tokens, longest in (("q", cu_q, padded_q, shapes["q"][0], max_q),
-                                              ("kv", cu_kv or cu_q, padded_kv or padded_q, shapes["k"][0], max_kv)):
-        offsets, slot_offsets = _offsets(cu), _offsets(padded)
+    offsets_by_side = _packed_offsets(call)
+    for side, tokens, longest in (("q", shapes["q"][0], max_q), ("kv", shapes["k"][0], max_kv)):
+        offsets, slot_offsets = offsets_by_side[side]
         if offsets is None:
             return f"thd without the values of cu_seqlens_{side}"
-        slot_offsets = slot_offsets or offsets
         lengths, slots = _lengths(offsets), _lengths(slot_offsets)
         if len(slots) != len(lengths) or slot_offsets[0] != 0 or any(n > m for n, m in zip(lengths, slots)):
             return f"cu_seqlens_{side}_padded {slot_offsets} that do not hold the sequences {offsets}"
@@ -244,14 +253,8 @@ def _thd_fields(call: CapturedCall, shapes: dict, fields: dict, cu_q: Any, cu_kv
 
 def captured_slots(case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A replayed thd call's slots (query side, key side): its padded offsets' differences."""
-    call = load_call(case.replay)
-    args = call.meta["arguments"]
-    names = (("cu_seqlens_q_padded", "cu_seqlens_q"), ("cu_seqlens_kv_padded", "cu_seqlens_kv")) if (
-        call.meta["api"] == "te.DotProductAttention") else ((None, "cu_seqlens_q"), (None, "cu_seqlens_k"))
-    q_offsets = _offsets(args.get(names[0][0])) or _offsets(args.get(names[0][1]))
-    kv_offsets = (_offsets(args.get(names[1][0])) or _offsets(args.get(names[1][1])) or
-                  _offsets(args.get(names[0][0])) or q_offsets)
-    return _lengths(q_offsets), _lengths(kv_offsets)
+    offsets = _packed_offsets(load_call(case.replay))
+    return _lengths(offsets["q"][1]), _lengths(offsets["kv"][1])
 
 
 def _fp8_recipe(recipe: Any) -> tuple[str, str | None]:
