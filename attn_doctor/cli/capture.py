@@ -58,13 +58,14 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
                                                                   ("ranks", ranks))}}
     if not values and any(selection[name] is not None for name in ("layers", "steps", "ranks")):
         raise BadInput("--layers, --steps and --ranks choose whose values are recorded: add --values")
-    if (out / "capture.json").exists():
+    from attn_doctor.tracing.store import HEADER, read_capture
+
+    if (out / HEADER).exists():
         raise BadInput(f"--out {out} already holds a capture; give a new folder (a capture is one run's calls)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BadInput(f"cannot create --out {out}: {exc.strerror}") from None
-    from attn_doctor.tracing.store import read_capture
 
     bootstrap = Path(attn_doctor.__file__).parent / "tracing" / "bootstrap"
     package_root = Path(attn_doctor.__file__).parent.parent
