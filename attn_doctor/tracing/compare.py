@@ -55,16 +55,17 @@ class Measured:
     shard_e: tuple[list[tuple[str, float]], list[tuple[str, float]]]  # per run: (rank, error) per shard
     floor: float
 
+    def far(self, error: float, run: int) -> bool:
+        """Whether an error of run `run`'s kernel (the whole tensor's or one shard's) is far from float64 where
+        the other run's is not: NaN/Inf where the other has none, or above FACTOR times the other's error (and
+        the rounding floor)."""
+        other = self.e[1 - run]
+        return (not math.isfinite(error) and math.isfinite(other)) or error > FACTOR * max(other, self.floor)
+
     @property
     def faulty_run(self) -> int | None:
         """0 or 1 when that run's kernel is far from float64 and the other's is not; None otherwise."""
-        for run in (0, 1):
-            mine, other = self.e[run], self.e[1 - run]
-            if not math.isfinite(mine) and math.isfinite(other):  # NaN/Inf where float64 has none
-                return run
-            if mine > FACTOR * max(other, self.floor):
-                return run
-        return None
+        return next((run for run in (0, 1) if self.far(self.e[run], run)), None)
 
 
 @dataclass
@@ -121,8 +122,7 @@ class Comparison:
             return f"same within rounding: {len(compared)} layer calls compared; {explained}"
         layer, m = found
         run = m.faulty_run
-        ranks = [rank for rank, e in m.shard_e[run]
-                 if not math.isfinite(e) or e > FACTOR * max(m.e[1 - run], m.floor)]
+        ranks = [rank for rank, e in m.shard_e[run] if m.far(e, run)]
         api = layer.rank_apis[run].get(int(ranks[0].split()[0]), layer.apis[run]) if ranks else layer.apis[run]
         return (f"differs from layer {layer.layer} (step {layer.step}) on: {api}, {m.tensor} "
                 f"(runs {m.d:.2g} apart); {self.labels[run]} is the one far from float64 "
