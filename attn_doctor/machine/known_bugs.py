@@ -61,6 +61,7 @@ A rule whose conditions hold for a probe is reported as matching where the probe
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -486,6 +487,7 @@ def _check_condition(key: str, value: Any, where: str) -> Any:
 # --------------------------------------------------------------------------- facts
 
 
+@functools.lru_cache(maxsize=256)  # a report's rows repeat the same few version strings thousands of times
 def _parse_version(text: str | None) -> Version | None:
     """'9.14.0 (91400)' -> Version('9.14.0'); '2.20.0.dev0+abc' as is; None when unreadable."""
     words = str(text).split() if text else []
@@ -536,6 +538,7 @@ def _is_sdpa_rule(when: Mapping[str, Any], context: MatchContext) -> bool:
     return bool(backends) and all(b.startswith("sdpa") for b in backends)
 
 
+@functools.lru_cache(maxsize=1024)  # each (version, rule's range) pair is checked once per row otherwise
 def _in_spec(version: Version, spec: str) -> bool:
     return SpecifierSet(spec).contains(version, prereleases=True)
 
