@@ -13,6 +13,13 @@ from attn_doctor.render.format import md_escape
 
 Kind = Literal["ok", "warn", "missing"]
 
+_MACHINE: tuple[tuple[str, str], ...] = (  # the rows before the GPUs: (label, EnvReport field)
+    ("Python", "python"),
+    ("platform", "platform"),
+    ("OS", "os"),
+    ("CPU", "cpu"),
+    ("NVIDIA driver", "driver"),
+)
 _FACTS: tuple[tuple[str, str], ...] = (
     ("torch", "torch"),
     ("torch CUDA", "torch_cuda"),
@@ -42,12 +49,10 @@ def _rows(env: EnvReport) -> list[tuple[str, str, Kind]]:
     def add(label: str, fact: Fact) -> None:
         rows.append((label, *fact_cell(fact)))
 
-    add("Python", env.python)
-    add("platform", env.platform)
-    for label, fact in (("OS", env.os), ("CPU", env.cpu)):
-        if fact is not None:  # documents written before these were collected do not have them
+    for label, name in _MACHINE:
+        fact = getattr(env, name)
+        if fact is not None:  # documents written before OS and CPU were collected do not have them
             add(label, fact)
-    add("NVIDIA driver", env.driver)
     for gpu in env.gpus:
         rows.append((f"GPU {gpu.index}", f"{gpu.name}, {gpu.sm}, {gpu.memory_total_mib} MiB", "ok"))
     if not env.gpus:
@@ -102,8 +107,7 @@ def env_from_rows(rows: list[tuple[str, str]]) -> EnvReport:
     """The inverse of :func:`env_rows`, for an environment kept only as its text (a repro script's header):
     each fact's text is its value (a note cannot be told from a value that holds parentheses), ``n/a (why)``
     is a missing fact."""
-    by_label = {"Python": "python", "platform": "platform", "OS": "os", "CPU": "cpu", "NVIDIA driver": "driver",
-                **dict(_FACTS)}
+    by_label = dict(_MACHINE + _FACTS)
     flash_keys = {label: key for key, label in _FLASH_LABELS.items()}
     facts: dict[str, Fact] = {}
     gpus: list[GpuInfo] = []
