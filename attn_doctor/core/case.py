@@ -140,6 +140,14 @@ class Case:
     def softmax_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
 
+    @property
+    def bias_shape(self) -> tuple[int, int, int, int]:
+        """A post_scale_bias's tensor shape from its code (e.g. "1hss"): batch or 1, heads or 1, then the query
+        length or 1, and the key length."""
+        code = self.bias.partition(":")[2]
+        sizes = {"1": 1, "b": self.batch, "h": self.heads}
+        return sizes[code[0]], sizes[code[1]], self.seq if code[2] == "s" else 1, self.seq_k
+
     def key(self) -> tuple:
         """Identity of the inputs: cases with equal keys get bitwise-equal q, k, v, dout."""
         return dataclasses.astuple(self)

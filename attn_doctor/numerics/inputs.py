@@ -142,10 +142,8 @@ def make_semantics(case: Case, device: torch.device) -> Semantics:
 
             semantics.bias = captured_bias(case, device)
         if semantics.bias is None:
-            sizes = {"1": 1, "b": case.batch, "h": case.heads}
-            layout = case.bias.partition(":")[2]  # e.g. "1hss": batch, heads, then seq_q (or 1) and seq_kv
-            shape = (sizes[layout[0]], sizes[layout[1]], case.seq if layout[2] == "s" else 1, case.seq_k)
-            semantics.bias = torch.randn(shape, generator=generator, device=device).to(TORCH_DTYPES[case.dtype])
+            semantics.bias = torch.randn(case.bias_shape, generator=generator, device=device).to(
+                TORCH_DTYPES[case.dtype])
     if case.softmax == "off-by-one":
         semantics.sink = torch.zeros(case.heads, device=device)
     elif case.softmax == "learnable":

@@ -373,10 +373,7 @@ def captured_bias(case: Case, device: torch.device) -> torch.Tensor | None:
         return None
     bias = bias.masked_fill(bias == -math.inf, 0).to(device)
     bias = bias.reshape([1] * (4 - bias.dim()) + list(bias.shape))
-    code = case.bias.partition(":")[2]
-    sizes = {"1": 1, "b": case.batch, "h": case.heads}
-    shape = (sizes[code[0]], sizes[code[1]], case.seq if code[2] == "s" else 1, case.seq_k)
-    return bias.expand(shape).to(TORCH_DTYPES[case.dtype]).clone()
+    return bias.expand(case.bias_shape).to(TORCH_DTYPES[case.dtype]).clone()
 
 
 def captured_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...] | None:
