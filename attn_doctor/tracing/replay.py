@@ -371,7 +371,7 @@ def captured_bias(case: Case, device: torch.device) -> torch.Tensor | None:
     bias = _captured_tensor(call, name)
     if not isinstance(bias, torch.Tensor):
         return None
-    bias = bias.masked_fill(bias == -math.inf, 0).to(device)
+    bias = bias.masked_fill(~_sdpa_visible(bias), 0).to(device)  # the masked pairs are the mask's
     bias = bias.reshape([1] * (4 - bias.dim()) + list(bias.shape))
     return bias.expand(case.bias_shape).to(TORCH_DTYPES[case.dtype]).clone()
 
