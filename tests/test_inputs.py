@@ -367,3 +367,18 @@ def test_repro_script_draws_exactly_make_inputs(inputs, dtype, tmp_path):
     want = _tensors(case)
     for name, a, b in zip(("q", "k", "v", "dout"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kernel, exit_code", [("sdpa.math", 0), ("scale_blind", 1)])
+def test_repro_script_uses_the_case_s_softmax_scale(kernel, exit_code, tmp_path):
+    """A repro of a case with its own softmax scale: a correct path passes, a kernel that never reads the
+    scale it is given fails (the scale reaches the kernel, the reference and the baseline alike)."""
+    from attn_doctor.backends import select
+    from attn_doctor.bisect.repro import write_repro
+
+    blind = f"{Path(__file__).parent / 'kernels' / 'faulty.py'}:scale_blind"
+    specs = select([], [blind]) if kernel == "scale_blind" else select([kernel])
+    case = make_case(batch=1, seq=8, heads=2, head_dim=16, dtype="fp32", mask="causal", scale=0.1)
+    script = write_repro(tmp_path, Coords.call(case, specs[-1]), None, "test", "attn-doctor bisect")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == exit_code, done.stdout + done.stderr

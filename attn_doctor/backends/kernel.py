@@ -191,7 +191,7 @@ def kernel(q, k, v, case):
                "seqlens_kv": torch.tensor(lengths("kv"), dtype=torch.int32, device=DEVICE) if padded else None,
                "mask_type": case["mask"], "window": case["window"]}}
     extra = {{name: value for name, value in offered.items() if anything or name in taken}}
-    return fn(q, k, v, causal="causal" in case["mask"], softmax_scale=case.get("scale") or case["head_dim"] ** -0.5,
+    return fn(q, k, v, causal="causal" in case["mask"], softmax_scale=case["scale"],
               **extra)
 '''
 

@@ -77,7 +77,7 @@ def kernel(q, k, v, case):
             mask = bias.to(q.dtype).masked_fill(~visible, float("-inf"))
     with sdpa_kernel([SDPBackend.{enum}]):
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=plain_causal,
-                                             scale=case.get("scale") or case["head_dim"] ** -0.5, **extra)
+                                             scale=case["scale"], **extra)
     return out.transpose(1, 2)
 '''
 

@@ -291,7 +291,7 @@ def kernel(q, k, v, case):
     d, dv = case["head_dim"], case.get("head_dim_v") or case["head_dim"]
     options = dict(num_gqa_groups=case["kv_heads"], attention_dropout=0.0, qkv_format=FORMAT,
                    attn_mask_type=case["mask"], window_size=tuple(case["window"]) if case["window"] else None,
-                   softmax_scale=case.get("scale") or d ** -0.5)
+                   softmax_scale=case["scale"])
     if case["seq"] != case["seq_kv"] or lengths("q") != lengths("kv"):
         options["attention_type"] = "cross"
     if case.get("softmax", "vanilla") != "vanilla":

@@ -256,7 +256,7 @@ def reference(q, k, v, dout):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     sink64 = SINK.detach().double().requires_grad_() if SINK is not None else None
     group = q.shape[2] // k.shape[2]
-    c = CASE.get("scale") or CASE["head_dim"] ** -0.5
+    c = CASE["scale"]
     qh = q64.transpose(1, 2)
     kh, vh = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k64, v64))
     scores = (qh @ kh.transpose(-1, -2)) * c
@@ -330,7 +330,7 @@ def megatron_local(q, k, v, sink=None):
     k, v = (t.repeat_interleave(h // hkv, dim=2) for t in (k, v))
     scores = torch.baddbmm(torch.empty(b * h, sq, sk, dtype=q.dtype, device=q.device),
                            q.reshape(sq, b * h, d).transpose(0, 1), k.reshape(sk, b * h, d).transpose(0, 1).transpose(1, 2),
-                           beta=0.0, alpha=CASE.get("scale") or d ** -0.5).view(b, h, sq, sk)
+                           beta=0.0, alpha=CASE["scale"]).view(b, h, sq, sk)
     x = scores.float() if q.dtype != torch.float32 else scores
     if fp8:
         x = quantize(x, None, "e5m2")
@@ -527,7 +527,7 @@ def repro_text(coords: Coords, env: EnvReport | None, version: str, command: str
     if coords.case.replay is not None:
         return _replay_repro_text(coords, version, command)
     backend = coords.backend.name
-    case = coords.case.to_dict()
+    case = {**coords.case.to_dict(), "scale": coords.case.softmax_scale}  # resolved once for every reader
     dtype = coords.case.dtype
     text = HEADER.format(title=f"{backend} on {coords.describe()}", version=version, command=command.replace('"', "'"),
                          env=_env_lines(env), multiple=max(MULTIPLE.values()), case=repr(case),
