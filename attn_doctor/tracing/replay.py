@@ -393,9 +393,10 @@ def captured_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...
     else:
         return None
     packed = layouts.packing(case) if fmt == "thd" else None
+    native_q = q
     q, k, v = (as_bshd(t.to(device), fmt, packed, side) for t, side in ((q, "q"), (k, "kv"), (v, "kv")))
     if call.dout_path is not None:
-        dout = as_bshd(with_heads(load_values(call.dout_path)["dout"], values["q"]).to(device), fmt, packed, "q")
+        dout = as_bshd(with_heads(load_values(call.dout_path)["dout"], native_q).to(device), fmt, packed, "q")
     else:
         generator = torch.Generator(device=device).manual_seed(case.seed + 1)
         dout = torch.randn(case.batch, case.seq, case.heads, case.d_v, generator=generator,
