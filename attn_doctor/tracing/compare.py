@@ -42,6 +42,7 @@ from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
 TENSORS = ("out", "dq", "dk", "dv")
 FACTOR = 3.0  # a kernel error this many times the other run's (and above the floor) is a fault
 FLOOR_EPS = 0.5  # the rounding floor of a kernel error, in units of the dtype's machine epsilon
+SIDES = {"q": "q", "k": "kv", "v": "kv", "out": "q", "dout": "q", "dq": "q", "dk": "kv", "dv": "kv"}  # whose tokens
 
 
 @dataclass
@@ -177,18 +178,17 @@ def _raw(call: CapturedCall, case: Case | None = None, cp_share: tuple[int, int]
     packed = layouts.packing(case) if fmt == "thd" else None
     values, dout = load_values(call.values_path), load_values(call.dout_path)["dout"]
     out, dout = (with_heads(t, values["q"]) for t in (values["out"], dout))
-    sides = {"q": "q", "k": "kv", "v": "kv", "out": "q", "dout": "q", "dq": "q", "dk": "kv", "dv": "kv"}
     recorded = {"q": values["q"], "k": values["k"], "v": values["v"], "out": out, "dout": dout}
     for name in ("dq", "dk", "dv"):
         gradient = call.gradient(name)
         if gradient is not None:
             recorded[name] = gradient
     if packed is not None and cp_share is not None:
-        recorded = {name: _in_whole_packed(t, packed, sides[name], *cp_share, name) for name, t in recorded.items()}
-    raw = {name: as_bshd(t, fmt, packed, sides[name]) for name, t in recorded.items()}
+        recorded = {name: _in_whole_packed(t, packed, SIDES[name], *cp_share, name) for name, t in recorded.items()}
+    raw = {name: as_bshd(t, fmt, packed, SIDES[name]) for name, t in recorded.items()}
     if packed is not None:
         valid = dict(zip(("q", "kv"), valid_tokens(case, raw["q"].device)))
-        raw = {name: t * valid[sides[name]][:, :, None, None].to(t.dtype) for name, t in raw.items()}
+        raw = {name: t * valid[SIDES[name]][:, :, None, None].to(t.dtype) for name, t in raw.items()}
     if "arg.attn_mask" in values:
         mask = values["arg.attn_mask"]
         raw["mask"] = mask.reshape([1] * (4 - mask.dim()) + list(mask.shape))
@@ -324,15 +324,14 @@ def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
     exact = {n: getattr(reference, n) for n in names}
     firsts = [shards[0] for shards, _ in per_rank]
     labels = [_shard_label(first, firsts, "cp_rank") for first in firsts]
-    owned = {rank: _cp_rank_tokens(whole_case if packed_case is not None else None, (seq, seq_kv), cp, rank,
+    owned = {rank: _cp_rank_tokens(packed_case, (seq, seq_kv), cp, rank,
                                    whole["q"].device) for rank in ranks}
-    sides = {"out": "q", "dq": "q", "dk": "kv", "dv": "kv"}
     shard_e = {}
     for n in names:  # each CP rank's own tokens (keys too, when they come in chunks)
         if n in ("dk", "dv") and gathered:  # every rank's share summed: not one rank's
             shard_e[n] = [("every CP rank (summed)", _relative(got[n], exact[n]))]
             continue
-        mine = {rank: owned[rank][sides[n]].expand(got[n].shape[:2]) for rank in ranks}
+        mine = {rank: owned[rank][SIDES[n]].expand(got[n].shape[:2]) for rank in ranks}
         shard_e[n] = [(label, _relative(got[n][mine[rank]], exact[n][mine[rank]]))
                       for label, rank in zip(labels, ranks)]
     return _Run(calls[0].meta["api"], got, exact, shard_e, torch.finfo(whole["q"].dtype).eps)
