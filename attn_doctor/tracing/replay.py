@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -416,10 +417,10 @@ def _shares_storage(call: CapturedCall) -> bool:
     return len(set(ids)) < 3
 
 
-def _seeded_through_storages(case: Case, call: CapturedCall) -> list[torch.Tensor]:
-    """q, k, v read through the call's views from standard-normal storages of the captured sizes (seeded)."""
-    generator = torch.Generator().manual_seed(case.seed)
-    dtype = TORCH_DTYPES[case.dtype]
+def _storage_views(call: CapturedCall, dtype: torch.dtype,
+                   new_storage: Callable[[int], torch.Tensor]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """The call's q, k, v views (exact shapes, strides, storage offsets) into one new storage per captured
+    storage id, of its captured size (`new_storage(elements)`, made in q, k, v's order); and those storages."""
     element = torch.empty((), dtype=dtype).element_size()
     storages: dict[int, torch.Tensor] = {}
     views = []
@@ -427,9 +428,17 @@ def _seeded_through_storages(case: Case, call: CapturedCall) -> list[torch.Tenso
         meta = call.meta["tensors"][name]
         sid = meta["storage"]["id"]
         if sid not in storages:
-            storages[sid] = torch.randn(meta["storage"]["nbytes"] // element, generator=generator).to(dtype)
-        views.append(storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"]).clone())
-    return views
+            storages[sid] = new_storage(meta["storage"]["nbytes"] // element)
+        views.append(storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"]))
+    return storages, views
+
+
+def _seeded_through_storages(case: Case, call: CapturedCall) -> list[torch.Tensor]:
+    """q, k, v read through the call's views from standard-normal storages of the captured sizes (seeded)."""
+    generator = torch.Generator().manual_seed(case.seed)
+    dtype = TORCH_DTYPES[case.dtype]
+    _, views = _storage_views(call, dtype, lambda elements: torch.randn(elements, generator=generator).to(dtype))
+    return [view.clone() for view in views]
 
 
 def as_bshd(t: torch.Tensor, fmt: str, packed: layouts.Packing | None = None, side: str = "q") -> torch.Tensor:
@@ -456,20 +465,12 @@ def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise Unsupported(f"the captured views are {native}; this path takes {fmt} (its other layouts have the "
                           "same values)")
     packed = layouts.packing(case) if native == "thd" else None
-    storages: dict[int, torch.Tensor] = {}
-    views = []
     dtype = TORCH_DTYPES[case.dtype]
-    element = torch.empty((), dtype=dtype).element_size()
-    for name, values, side in (("q", q, "q"), ("k", k, "kv"), ("v", v, "kv")):
-        meta = call.meta["tensors"][name]
-        sid = meta["storage"]["id"]
-        if sid not in storages:
-            storages[sid] = torch.zeros(meta["storage"]["nbytes"] // element, dtype=dtype, device=q.device)
-        view = storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"])
+    storages, views = _storage_views(call, dtype, lambda elements: torch.zeros(elements, dtype=dtype, device=q.device))
+    for view, values, side in zip(views, (q, k, v), ("q", "kv", "kv")):
         with torch.no_grad():
             view.copy_(values.permute(0, 2, 1, 3) if native == "bhsd" else layouts.to_format(values, native, packed,
                                                                                               side))
-        views.append(view)
     leaves = {sid: buffer.requires_grad_() for sid, buffer in storages.items()}
     views = [leaves[call.meta["tensors"][name]["storage"]["id"]].as_strided(
         view.shape, view.stride(), view.storage_offset()) for name, view in zip("qkv", views)]
