@@ -1,19 +1,25 @@
 """The cost of `attn_doctor.capture` on a training step: the same model and step with and without a capture
-(metadata only, and with values of one layer), and the cost of one call on its own. Goal (issue 17):
-metadata-only capture costs under 5% of the step time.
+(metadata only, and with values of one layer). Goal (issue 17): metadata-only capture costs under 5% of the
+step time.
 
-A shared machine's step time drifts by more than the capture costs (10% between runs on the H200's host), so
-the modes run in short blocks, in turn, for many rounds (the order reversed every other round), each block one
-capture over several steps as a user runs it (its first step, which writes the fingerprint, not timed). A
-block's time is the median of its steps; a mode's overhead is the median over rounds of its block against the
-plain block of the same round, given with the middle half of the rounds' figures. The cost of one call: a tiny
-attention called many times, plain and captured in turn, the fastest of each.
+Two measures, because a shared machine's step time drifts by more than the capture costs (10-20% between runs
+on the H200's host):
+- the step time, paired: each captured mode against plain in short blocks, in turn, for many rounds (the order
+  reversed every other round), each block one capture over several steps as a user runs it (its first step,
+  which writes the fingerprint, not timed). A block's time is the median of its steps; the overhead is the
+  median over rounds of the block against the plain block of the same round, with the middle half of the
+  rounds' figures. Each captured mode has its own rounds: a values block writes files, whose flushing slows
+  whatever block runs next.
+- the capture's own time (`Recorder.seconds`, the time spent in its code at each call, not in the call), per
+  step and per call: free of the drift, but not all of the cost. Where the GPU bounds the step it hides behind
+  the kernels; where the CPU launching kernels bounds it, it shows in full, and the code after each captured
+  call runs slower too, on caches the capture's code displaced (on a 1 ms CPU step of this development machine
+  the forward grew by about twice the own time).
 
     python benchmarks/bench_capture.py [--layers 8] [--hidden 512] [--seq 512] [--batch 4] [--rounds 10]
         [--steps 5] [--attention sdpa|te] [--device cpu|cuda] [--dtype fp32|bf16]
 
-On a GPU each step ends with a synchronisation, so a step's time is the GPU's and the capture's Python work
-counts only where it delays the kernels' launches.
+On a GPU each step ends with a synchronisation, so a step's time is the GPU's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -92,56 +99,61 @@ def main() -> None:
     model = torch.nn.Sequential(*[Block(args.hidden, args.heads, args.attention) for _ in range(args.layers)])
     model = model.to(args.device, dtype)
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device, dtype=dtype)
-    modes = {"plain": None, "metadata": {}, "values, one layer": {"values": True, "layers": [0]}}
-    blocks: dict[str, list[float]] = {mode: [] for mode in modes}
+    captured = {"metadata only": {}, "values, one layer": {"values": True, "layers": [0]}}
     with tempfile.TemporaryDirectory() as tmp:
         step(model, x)  # the first step of all: kernels chosen and compiled
-        for round_ in range(args.rounds):
-            for mode in list(modes) if round_ % 2 == 0 else list(modes)[::-1]:
-                options = modes[mode]
-                capture = (attn_doctor.capture(Path(tmp) / f"{mode}-{round_}", **options) if options is not None
-                           else contextlib.nullcontext())
-                with capture:
-                    step(model, x)  # not timed: a capture's first call writes the fingerprint
-                    times = []
-                    for _ in range(args.steps):
-                        start = time.perf_counter()
-                        step(model, x)
-                        times.append(time.perf_counter() - start)
-                blocks[mode].append(statistics.median(times))
+        results = {mode: paired_blocks(model, x, Path(tmp) / str(i), options, args.rounds, args.steps)
+                   for i, (mode, options) in enumerate(captured.items())}
     machine = platform.processor() or platform.machine()
     if x.is_cuda:
         machine += f", {torch.cuda.get_device_name()}"
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {machine}, "
           f"{torch.get_num_threads()} threads; {args.attention} attention, {args.dtype}, {args.layers} layers, "
           f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}; {args.rounds} rounds of {args.steps} steps")
-    # The cost of one call on its own: a tiny attention of the same kind, plain and captured in turn.
-    q = torch.randn(1, 4, 1, 8, device=args.device, dtype=dtype)  # bshd
-    attend = Block(8, 1, args.attention).te_attention or (lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    for mode, blocks in results.items():
+        plain = statistics.median(block.plain for block in blocks)
+        ours = statistics.median(block.captured for block in blocks)
+        low, middle, high = quartiles([block.captured / block.plain - 1 for block in blocks])
+        own = statistics.median(block.own for block in blocks)
+        calls = blocks[0].calls
+        print(f"  {mode}: plain {plain * 1e3:.1f} ms/step, captured {ours * 1e3:.1f} ms/step, step time "
+              f"{100 * middle:+.1f}% (middle half of the rounds: {100 * low:+.1f}% to {100 * high:+.1f}%)")
+        print(f"    capture's own time {own * 1e3:.2f} ms/step = {100 * own / plain:.1f}% of the plain step; "
+              f"{own / calls * 1e6:.0f} us per call ({calls} calls per step)")
 
-    def per_call(calls: int = 1000) -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            attend(q, q, q)
-        if q.is_cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / calls
 
-    plain_calls, captured_calls = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(7):
-            plain_calls.append(per_call())
-            with attn_doctor.capture(Path(tmp) / str(round_)):
-                attend(q, q, q)  # the fingerprint
-                captured_calls.append(per_call())
-    base = statistics.median(blocks["plain"])
-    print(f"  {'plain':18s} {base * 1e3:8.1f} ms/step")
-    for mode in list(modes)[1:]:
-        low, middle, high = quartiles([ours / plain - 1 for ours, plain in zip(blocks[mode], blocks["plain"])])
-        print(f"  {mode:18s} {statistics.median(blocks[mode]) * 1e3:8.1f} ms/step  overhead {100 * middle:+5.1f}%"
-              f"  (middle half of the rounds: {100 * low:+.1f}% to {100 * high:+.1f}%)")
-    print(f"  one call, metadata only: {(min(captured_calls) - min(plain_calls)) * 1e6:.0f} us on top of the call "
-          f"({min(plain_calls) * 1e6:.1f} us for the tiny attention itself)")
+@dataclass
+class Round:
+    plain: float  # median step time of the plain block, s
+    captured: float  # the same, captured
+    own: float  # the capture's own time per step, s
+    calls: int  # calls recorded per step
+
+
+def paired_blocks(model, x, root: Path, options: dict, rounds: int, steps: int) -> list[Round]:
+    """`rounds` pairs of blocks of `steps` timed steps, plain and captured, in turn."""
+    measured = []
+    for round_ in range(rounds):
+        blocks = {captured: timed_block(model, x, root / str(round_) if captured else None, options, steps)
+                  for captured in ((False, True) if round_ % 2 == 0 else (True, False))}
+        measured.append(Round(blocks[False][0], *blocks[True]))
+    return measured
+
+
+def timed_block(model, x, root: Path | None, options: dict, steps: int) -> tuple[float, float, int]:
+    """The median step time of `steps` steps, plain (`root` None) or in one capture into `root`, and the
+    capture's own time and calls per step (0 when plain)."""
+    with attn_doctor.capture(root, **options) if root is not None else contextlib.nullcontext() as recorder:
+        step(model, x)  # not timed: a capture's first call writes the fingerprint
+        own, calls = (recorder.seconds, recorder.calls) if recorder is not None else (0.0, 0)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step(model, x)
+            times.append(time.perf_counter() - start)
+        if recorder is not None:
+            own, calls = (recorder.seconds - own) / steps, (recorder.calls - calls) // steps
+    return statistics.median(times), own, calls
 
 
 if __name__ == "__main__":

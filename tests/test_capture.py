@@ -4,10 +4,12 @@ the run, the values selection and budget, interrupted captures, flash-attn-style
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import attn_doctor
+from attn_doctor.tracing import store
 from attn_doctor.tracing.store import load_values, read_capture
 from tests.models import tiny_gpt
 
@@ -105,6 +108,93 @@ def test_a_killed_run_leaves_a_readable_capture_of_the_calls_that_finished(tmp_p
     with open(log, "ab") as handle:  # a line cut off mid-write
         handle.write(b'{"api": "torch.sd')
     assert [c.index for c in read_capture(tmp_path)] == [0, 1]
+
+
+def test_the_calls_file_grows_past_its_chunks_and_ends_at_its_last_line_once_closed(tmp_path, monkeypatch):
+    monkeypatch.setattr(store.CallLog, "CHUNK", 256)  # a line is longer than a chunk: every call grows the map
+    q = torch.randn(1, 2, 4, 8)
+    for _ in range(2):  # a second capture of this process into the same folder appends to its calls file
+        with attn_doctor.capture(tmp_path):
+            for _ in range(5):
+                F.scaled_dot_product_attention(q, q, q)
+    (log,) = (tmp_path / "rank0").glob("calls-*.jsonl")
+    text = log.read_bytes()
+    assert text.endswith(b"}\n") and b"\0" not in text
+    assert [c.index for c in read_capture(tmp_path)] == [0, 1, 2, 3, 4] * 2  # by capture, then index
+
+
+def test_where_a_file_cannot_be_mapped_each_line_is_written(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("no shared maps here")
+
+    monkeypatch.setattr(store.mmap, "mmap", refuse)
+    q = torch.randn(1, 2, 4, 8)
+    with attn_doctor.capture(tmp_path):
+        F.scaled_dot_product_attention(q, q, q)
+        F.scaled_dot_product_attention(q, q, q)
+    assert [c.index for c in read_capture(tmp_path)] == [0, 1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_during_a_capture_records_into_a_file_of_its_own(tmp_path):
+    # In a process of its own with one thread: a child forked after OpenMP ran in the parent hangs in its first
+    # parallel region (GNU OpenMP), whatever the capture does.
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import torch
+        torch.set_num_threads(1)
+        import attn_doctor
+        q = torch.randn(1, 2, 4, 8)
+        with attn_doctor.capture({str(tmp_path)!r}):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            child = os.fork()
+            if child == 0:  # a data loader's worker would be one: a call, then gone without clean-up
+                try:
+                    torch.nn.functional.scaled_dot_product_attention(q, q, q)
+                finally:
+                    os._exit(0)
+            os.waitpid(child, 0)
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        print(os.getpid(), child)
+    """)
+    parent, child = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                            check=True, timeout=120).stdout.split())
+    calls = read_capture(tmp_path)
+    by_process = {pid: [c.index for c in calls if c.meta["process"]["pid"] == pid] for pid in (parent, child)}
+    assert by_process == {parent: [0, 1], child: [1]} and len(calls) == 3
+    assert {p.name for p in (tmp_path / "rank0").glob("calls-*.jsonl")} == {
+        f"calls-{parent}.jsonl", f"calls-{child}.jsonl"}
+
+
+def test_megatrons_parallel_layout_is_recorded_and_read_once_per_forward_pass(tmp_path, monkeypatch):
+    reads = []
+
+    def reader(name: str, value):
+        def read():
+            reads.append(name)
+            return layout[value]
+        return read
+
+    layout = {"tp": 2, "tp_rank": 1, "cp": 1, "cp_rank": 0, "dp": 4, "dp_rank": 3}
+    state = types.ModuleType("megatron.core.parallel_state")
+    state.model_parallel_is_initialized = lambda: True
+    for name, value in (("get_tensor_model_parallel_world_size", "tp"), ("get_tensor_model_parallel_rank", "tp_rank"),
+                        ("get_context_parallel_world_size", "cp"), ("get_context_parallel_rank", "cp_rank"),
+                        ("get_data_parallel_world_size", "dp"), ("get_data_parallel_rank", "dp_rank")):
+        setattr(state, name, reader(name, value))
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state)
+    first = {**layout}
+    with attn_doctor.capture(tmp_path):
+        model, tokens = tiny_gpt.TinyGPT(layers=3), torch.zeros(1, 4, dtype=torch.long)
+        model(tokens)
+        layout["tp_rank"] = 0  # re-initialised (as a test suite does): seen from the next forward pass on
+        model(tokens)
+        assert len(reads) == 6 * 2  # each of the six read once per forward pass of the model, not per call
+        layout["dp_rank"] = 2
+        tiny_gpt.TinyGPT(layers=3)(tokens)  # another model: its calls read the layout each
+    parallel = [c.meta["parallel"] for c in read_capture(tmp_path)]
+    assert parallel == [first] * 3 + [{**first, "tp_rank": 0}] * 3 + [layout] * 3
 
 
 def test_a_library_wrapper_is_recorded_once_whether_imported_before_or_after_the_capture(tmp_path, monkeypatch):

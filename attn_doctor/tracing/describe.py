@@ -80,6 +80,13 @@ def describe_value(value: Any, storages: dict[int, int], small: SmallValues | No
     return {"repr": repr(value)[:500]}
 
 
+def tensor_key(t: torch.Tensor, storages: dict[int, int]) -> Hashable:
+    """What `tensor_meta(t, storages)` is made from, with the same effect on `storages`."""
+    storage = t.untyped_storage()
+    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
+            storages.setdefault(storage.data_ptr(), len(storages)), storage.nbytes(), t.requires_grad)
+
+
 class Unkeyable(Exception):
     """A value whose description no key determines exactly: the call is described in full."""
 
@@ -93,11 +100,8 @@ def value_key(value: Any, storages: dict[int, int], small: SmallValues) -> Hasha
     if kind is float:
         return kind, repr(value)
     if isinstance(value, torch.Tensor):
-        storage = value.untyped_storage()
-        sid = storages.setdefault(storage.data_ptr(), len(storages))
         values = None if value.is_floating_point() or not _keeps_values(value) else small.of(value)
-        return (value.shape, value.stride(), value.storage_offset(), value.dtype, value.device, sid,
-                storage.nbytes(), value.requires_grad, values)
+        return tensor_key(value, storages), values
     if kind is tuple or kind is list:
         return list, tuple(value_key(v, storages, small) for v in value)
     if kind is dict:
@@ -117,10 +121,10 @@ def _fp8_recipe() -> Any:
     fp8 = (sys.modules.get("transformer_engine.pytorch.fp8")
            or sys.modules.get("transformer_engine.pytorch.quantization"))
     manager = getattr(fp8, "FP8GlobalStateManager", None)
-    with contextlib.suppress(Exception):
-        if manager is not None and manager.is_fp8_enabled():
-            return manager.get_fp8_recipe()
-    return None
+    try:
+        return manager.get_fp8_recipe() if manager is not None and manager.is_fp8_enabled() else None
+    except Exception:  # noqa: BLE001 - an older or newer TE: no recipe read, never a failed run
+        return None
 
 
 def te_module_settings(module: Any) -> dict[str, Any]:
@@ -271,8 +275,8 @@ class CallDescriber:
             try:
                 storages: dict[int, int] = {}
                 key = (api, rank, world_size, tuple(parallel.items()),
-                       tuple((name, value_key(t, storages, self.small)) for name, t in tensors.items()),
-                       tuple((name, value_key(v, storages, self.small)) for name, v in arguments.items()),
+                       tuple([(name, tensor_key(t, storages)) for name, t in tensors.items()]),
+                       tuple([(name, value_key(v, storages, self.small)) for name, v in arguments.items()]),
                        None if te_module is None else (te_settings_key(te_module, pins), te_choice_key(pins)))
                 cached = self._texts.get(key)
             except (Unkeyable, TypeError):  # TypeError: an unhashable value in TE's state or settings

@@ -38,6 +38,8 @@ import json
 import os
 import sys
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -78,12 +80,15 @@ class Selection:
 
 
 _parallel: dict[str, int] = {}
+_parallel_said = 0  # how many times describe_parallel was called: a recorder reads the layout again after one
 
 
 def describe_parallel(**sizes: int) -> None:
     """Tell the capture the parallel layout of this process when it cannot read it from Megatron, e.g.
     `describe_parallel(tp=2, tp_rank=1)` (also cp, cp_rank, dp, dp_rank)."""
+    global _parallel_said
     _parallel.update(sizes)
+    _parallel_said += 1
 
 
 def _parallel_sizes() -> dict[str, int]:
@@ -100,6 +105,14 @@ def _parallel_sizes() -> dict[str, int]:
     except Exception:  # noqa: BLE001 - a fact we could not read is absent, never a failed run
         pass
     return {}
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """torch.distributed's rank and world size once its process group is up, torchrun's environment before."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _binder(function: Callable) -> Callable[[tuple, dict], dict[str, Any] | None]:
@@ -178,6 +191,22 @@ class _ImportHook(importlib.abc.MetaPathFinder):
         return None
 
 
+def _this_process() -> dict[str, Any]:
+    return {"pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+
+_RUNNING: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for recorder in list(_RUNNING):
+        recorder._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Recorder:
     """One process's capture: wraps the attention functions, tracks the module path, writes each call."""
 
@@ -186,6 +215,7 @@ class Recorder:
         self.selection = selection or Selection()
         self.calls = 0
         self.value_bytes = 0
+        self.seconds = 0.0  # spent in the capture's own code at the calls (not the calls, not the gradient hooks)
         self._thread = _Busy()
         self._names: dict[int, tuple[torch.nn.Module, dict[int, tuple[str, int | None]]]] = {}
         self._model: torch.nn.Module | None = None
@@ -194,9 +224,8 @@ class Recorder:
         self._lock = threading.Lock()
         self._undo: list[Callable[[], None]] = []
         self._log: store.CallLog | None = None
-        self._describer = CallDescriber(
-            {"pid": os.getpid(), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()})
-        self._rank_from_environment: tuple[int, int] | None = None
+        self._describer = CallDescriber(_this_process())
+        self._read: tuple[tuple[int, int], tuple[int, int, dict[str, int]]] | None = None  # what _layout read
 
     # -- starting and stopping --
 
@@ -219,14 +248,24 @@ class Recorder:
             hook = _ImportHook(targets)
             sys.meta_path.insert(0, hook)
             self._undo.append(lambda: sys.meta_path.remove(hook) if hook in sys.meta_path else None)
+        _RUNNING.add(self)
         return self
 
     def stop(self) -> None:
+        _RUNNING.discard(self)
         while self._undo:
             self._undo.pop()()
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _forked(self) -> None:
+        """In a child process forked while this capture runs (e.g. a data loader's worker): its calls go to
+        a calls file of its own. The parent's file, which the child inherited mapped, is never written or
+        closed by the child."""
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._log = None
+        self._describer = CallDescriber(_this_process())
 
     def _wrap_attribute(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
         original = getattr(owner, name, None)
@@ -262,6 +301,7 @@ class Recorder:
                 found = known[1].get(id(inner))
                 if found is not None:
                     return found
+        self._read = None  # a call outside the model's forward: the rank and parallel layout are read again
         stack = modules_on_stack(sys._getframe(1))
         if not stack:
             return "", None
@@ -328,17 +368,19 @@ class Recorder:
             out = original(*args, **kwargs)
         finally:
             self._thread.busy = False
+        start = time.perf_counter()
         try:
             self._record(api, bound, qkv, out, te_module)
         except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
             print(f"attn-doctor capture: call not recorded ({type(exc).__name__}: {exc})", file=sys.stderr)
+        self.seconds += time.perf_counter() - start  # one thread's += can be lost to another's: a measure only
         return out
 
     # -- writing a call --
 
     def _record(self, api: str, bound: dict, qkv: tuple[str, str, str], out: Any, te_module: Any) -> None:
-        rank, world = self._rank()
         path, layer = self._where(te_module)
+        rank, world, parallel = self._layout()
         with self._lock:
             index = self.calls
             self.calls += 1
@@ -352,10 +394,10 @@ class Recorder:
         if isinstance(output, torch.Tensor):
             tensors["out"] = output
         values = None
-        if self.selection.wants(layer, step, rank):
+        if self.selection.values and self.selection.wants(layer, step, rank):
             values = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound, qkv, output)
         line = self._describer.line(
-            api=api, rank=rank, world_size=world, parallel=_parallel_sizes(), tensors=tensors,
+            api=api, rank=rank, world_size=world, parallel=parallel, tensors=tensors,
             arguments={k: v for k, v in bound.items() if k not in qkv}, te_module=te_module, index=index,
             module_path=path, layer=layer, step=step, values=values)
         with self._lock:
@@ -364,13 +406,15 @@ class Recorder:
                 self._log = store.CallLog(self.root, rank, os.getpid())
             self._log.append_line(line)
 
-    def _rank(self) -> tuple[int, int]:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        if self._rank_from_environment is None:  # torchrun's, set before the process starts
-            self._rank_from_environment = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        return self._rank_from_environment
+    def _layout(self) -> tuple[int, int, dict[str, int]]:
+        """The process's rank, world size and parallel layout (`_rank_and_world`, `_parallel_sizes`), read once
+        per forward pass of the model (reading them cost a call's capture several microseconds, six calls into
+        Megatron's parallel_state among them), and again after each describe_parallel and for each call outside
+        the model (`_where`)."""
+        stamp = self._step, _parallel_said
+        if self._read is None or self._read[0] != stamp:
+            self._read = stamp, (*_rank_and_world(), _parallel_sizes())
+        return self._read[1]
 
     def _save_values(self, stem: Path, bound: dict, qkv: tuple[str, str, str], output: Any) -> str:
         values = {name: bound[key] for name, key in zip(("q", "k", "v"), qkv)
