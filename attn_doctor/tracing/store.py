@@ -10,8 +10,8 @@
 Each call is written whole or not at all: its values first (a temp file, then a rename), then its line, stored
 into a memory map of the calls file (`CallLog`: a file per call cost a millisecond, a flushed write per line a
 fifth of a call's capture cost). A killed run leaves every call whose line was stored; a line it cut off
-mid-write, and the unused end of the file, are ignored on reading, like a sweep's results.jsonl. Values are safetensors and metadata JSON: loading someone else's capture never runs code
-(no pickle).
+mid-write, and the unused end of the file, are ignored on reading, like a sweep's results.jsonl. Values are
+safetensors and metadata JSON: loading someone else's capture never runs code (no pickle).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class CallLog:
     """One process's calls-<PID>.jsonl: a line per call, stored into a shared memory map of the file.
 
     Why a map: within a training step, the write system call of each line cost about a fifth of the capture's
-    time per call (a kernel entry from cold caches); a store into the map makes none, and since the page cache
+    time per call (on this project's CPU machine, 66 µs per call against 52 µs with nothing written, 62 µs with
+    the map: a kernel entry from cold caches); a store into the map makes none, and since the page cache
     holds what is stored, a process killed mid-run loses no line it finished, as with a flushed write. The file
     is grown a chunk ahead of the lines, so a killed process leaves NUL bytes after its last line (the reader
     drops them with any cut-off last line); `close` cuts them off. Where a file cannot be mapped, each line is
