@@ -110,6 +110,23 @@ def test_a_shard_of_a_one_process_tp_simulation_is_named_by_its_tp_rank(tmp_path
     assert answer.startswith("differs from layer 0") and answer.endswith("on rank 0 (tp_rank 1)"), answer
 
 
+def _capture_whole_and_over_two_cp_ranks(root: Path, layer: type[torch.nn.Module]) -> tuple[Path, Path]:
+    """A model of one `layer(cp)` (which runs both simulated CP ranks' calls itself when cp is 2) captured with
+    values at cp 1 into root/whole and at cp 2 into root/cp."""
+    class Model(torch.nn.Module):
+        def __init__(self, cp: int):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([layer(cp)])
+
+        def forward(self):
+            self.layers[0]()
+
+    for name, cp in (("whole", 1), ("cp", 2)):
+        with attn_doctor.capture(root / name, values=True):
+            Model(cp)()
+    return root / "whole", root / "cp"
+
+
 def _cp_captures(root: Path, faulty_cp_rank: int | None, monkeypatch) -> tuple[Path, Path]:
     """One causal attention run whole, and split over two simulated CP ranks the load-balanced way (rank r holds
     sequence chunks r and 3 - r, with the keys all-gathered and its rows of the causal mask)."""
@@ -149,18 +166,7 @@ def _cp_captures(root: Path, faulty_cp_rank: int | None, monkeypatch) -> tuple[P
                 F.scaled_dot_product_attention(*leaves, attn_mask=causal[rows][None, None]).backward(dout[:, :, rows])
                 faulty["on"] = False
 
-    class Model(torch.nn.Module):
-        def __init__(self, cp: int):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Layer(cp)])
-
-        def forward(self):
-            self.layers[0]()
-
-    for name, cp in (("whole", 1), ("cp", 2)):
-        with attn_doctor.capture(root / name, values=True):
-            Model(cp)()
-    return root / "whole", root / "cp"
+    return _capture_whole_and_over_two_cp_ranks(root, Layer)
 
 
 def test_cp_chunks_are_put_back_in_sequence_order_and_match_the_whole_run(tmp_path, monkeypatch):
@@ -352,18 +358,7 @@ def _thd_cp_captures(root: Path, faulty_cp_rank: int | None, monkeypatch) -> tup
                                            max_seqlen_q=12, max_seqlen_kv=12))
             torch.autograd.backward(outs, [dout[share] for share in shares])
 
-    class Model(torch.nn.Module):
-        def __init__(self, cp: int):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Layer(cp)])
-
-        def forward(self):
-            self.layers[0]()
-
-    for name, cp in (("whole", 1), ("cp", 2)):
-        with attn_doctor.capture(root / name, values=True):
-            Model(cp)()
-    return root / "whole", root / "cp"
+    return _capture_whole_and_over_two_cp_ranks(root, Layer)
 
 
 def test_cp_token_places_are_te_s_split_of_every_padded_sequence():

@@ -394,7 +394,7 @@ class Recorder:
         if isinstance(output, torch.Tensor):
             tensors["out"] = output
         values = None
-        if self.selection.values and self.selection.wants(layer, step, rank):
+        if self.selection.wants(layer, step, rank):
             values = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound, qkv, output)
         line = self._describer.line(
             api=api, rank=rank, world_size=world, parallel=parallel, tensors=tensors,
