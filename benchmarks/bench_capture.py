@@ -17,7 +17,7 @@ on the H200's host):
   the forward grew by about twice the own time).
 
     python benchmarks/bench_capture.py [--layers 8] [--hidden 512] [--seq 512] [--batch 4] [--rounds 10]
-        [--steps 5] [--attention sdpa|te] [--device cpu|cuda] [--dtype fp32|bf16]
+        [--steps 5] [--attention sdpa|te|te-layer] [--device cpu|cuda] [--dtype fp32|bf16]
 
 On a GPU each step ends with a synchronisation, so a step's time is the GPU's.
 """
@@ -69,6 +69,15 @@ class Block(torch.nn.Module):
         return x + self.mlp(x)
 
 
+def make_layer(hidden: int, heads: int, attention: str) -> torch.nn.Module:
+    if attention != "te-layer":
+        return Block(hidden, heads, attention)
+    import transformer_engine.pytorch as te
+
+    return te.TransformerLayer(hidden, 4 * hidden, heads, self_attn_mask_type="causal", attention_dropout=0.0,
+                               hidden_dropout=0.0, attn_input_format="bshd")
+
+
 def step(model, x) -> None:
     model.zero_grad(set_to_none=True)
     model(x).float().square().mean().backward()
@@ -90,13 +99,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
-    parser.add_argument("--attention", choices=("sdpa", "te"), default="sdpa")
+    parser.add_argument("--attention", choices=("sdpa", "te", "te-layer"), default="sdpa",
+                        help="te: TE's DotProductAttention in this bench's block, called with q, k, v alone; "
+                             "te-layer: a stack of te.TransformerLayer (its attention called with TE's own "
+                             "arguments, twenty of them)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = torch.nn.Sequential(*[Block(args.hidden, args.heads, args.attention) for _ in range(args.layers)])
+    model = torch.nn.Sequential(*[make_layer(args.hidden, args.heads, args.attention) for _ in range(args.layers)])
     model = model.to(args.device, dtype)
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device, dtype=dtype)
     captured = {"metadata only": {}, "values, one layer": {"values": True, "layers": [0]}}

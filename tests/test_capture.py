@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import attn_doctor
+from attn_doctor.core.errors import BadInput
 from attn_doctor.tracing import store
 from attn_doctor.tracing.store import load_values, read_capture
 from tests.models import tiny_gpt
@@ -51,6 +52,45 @@ def test_every_call_is_recorded_with_its_exact_views_module_layer_and_step(tmp_p
     assert calls[0].meta["api"] == "torch.sdpa" and calls[0].meta["arguments"]["is_causal"] is True
     assert (calls[0].meta["rank"], calls[0].meta["world_size"]) == (0, 1)
     assert json.loads((tmp_path / "rank0" / "env.json").read_text())["python"]
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, x):
+        return F.scaled_dot_product_attention(x, x, x)
+
+
+class _WrittenSoFar(torch.nn.Module):
+    """Counts the calls in the capture's files when the model's forward pass reaches it (at its end)."""
+
+    def __init__(self, root: Path, seen: list[int]):
+        super().__init__()
+        self.root, self.seen, self.fail = root, seen, False
+
+    def forward(self, x):
+        self.seen.append(len(read_capture(self.root)))
+        if self.fail:
+            raise RuntimeError("a forward pass that raises")
+        return x
+
+
+def test_a_forward_pass_under_autograd_has_its_calls_written_when_it_ends_and_otherwise_at_each_call(tmp_path):
+    seen: list[int] = []
+    probe = _WrittenSoFar(tmp_path, seen)
+    model = torch.nn.Sequential(_Attention(), _Attention(), probe)
+    x = torch.randn(1, 2, 4, 8, requires_grad=True)
+    with attn_doctor.capture(tmp_path):
+        model(x).sum().backward()  # the first pass makes the model known: its calls are written as they come
+        model(x).sum().backward()  # autograd holds q, k, v until the backward: described at the pass's end
+        assert len(read_capture(tmp_path)) == 4
+        with torch.no_grad():  # nothing held by autograd: holding them would cost memory
+            model(x)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # e.g. checkpointing
+            model(x).sum().backward()
+        probe.fail = True
+        with pytest.raises(RuntimeError, match="raises"):
+            model(x).sum().backward()
+        assert len(read_capture(tmp_path)) == 10  # a pass that raises keeps its calls
+    assert seen == [2, 2, 6, 8, 8]
 
 
 def test_values_are_recorded_for_the_selection_only_with_the_output_gradient(tmp_path):
@@ -108,19 +148,26 @@ def test_a_killed_run_leaves_a_readable_capture_of_the_calls_that_finished(tmp_p
     with open(log, "ab") as handle:  # a line cut off mid-write
         handle.write(b'{"api": "torch.sd')
     assert [c.index for c in read_capture(tmp_path)] == [0, 1]
+    whole_lines = log.read_bytes().rpartition(b"\n")[0]  # then a call naming a signature no line defines
+    log.write_bytes(whole_lines + b'\n{"index":2,"module":"","layer":0,"step":0,"values":null,"signature":7}\n')
+    with pytest.raises(BadInput, match="the capture is damaged"):
+        read_capture(tmp_path)
 
 
 def test_the_calls_file_grows_past_its_chunks_and_ends_at_its_last_line_once_closed(tmp_path, monkeypatch):
-    monkeypatch.setattr(store.CallLog, "CHUNK", 256)  # a line is longer than a chunk: every call grows the map
-    q = torch.randn(1, 2, 4, 8)
-    for _ in range(2):  # a second capture of this process into the same folder appends to its calls file
+    monkeypatch.setattr(store.CallLog, "CHUNK", 256)  # a signature is longer than a chunk: it grows the map
+    for seq in (4, 6):  # a second capture of this process into the same folder appends to its calls file
+        q = torch.randn(1, 2, seq, 8)
         with attn_doctor.capture(tmp_path):
-            for _ in range(5):
+            for _ in range(200):
                 F.scaled_dot_product_attention(q, q, q)
     (log,) = (tmp_path / "rank0").glob("calls-*.jsonl")
     text = log.read_bytes()
-    assert text.endswith(b"}\n") and b"\0" not in text
-    assert [c.index for c in read_capture(tmp_path)] == [0, 1, 2, 3, 4] * 2  # by capture, then index
+    assert text.endswith(b"}\n") and b"\0" not in text and len(text) > 40 * 256
+    calls = read_capture(tmp_path)
+    assert [c.index for c in calls] == [*range(200)] * 2  # by capture, then index
+    # each capture's signature 0 is its own: a call names the latest signature of its number above it
+    assert [c.meta["tensors"]["q"]["shape"][2] for c in calls] == [4] * 200 + [6] * 200
 
 
 def test_where_a_file_cannot_be_mapped_each_line_is_written(tmp_path, monkeypatch):
@@ -278,7 +325,5 @@ def test_cli_captures_every_rank_of_a_torchrun_job_with_its_parallel_layout(run_
 
 
 def test_capture_folder_that_is_not_one_is_bad_input(tmp_path):
-    from attn_doctor.core.errors import BadInput
-
     with pytest.raises(BadInput, match="not an attn-doctor capture"):
         read_capture(tmp_path)

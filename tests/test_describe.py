@@ -10,7 +10,8 @@ import types
 
 import torch
 
-from attn_doctor.tracing.describe import CallDescriber
+from attn_doctor.tracing.describe import CallDescriber, te_now
+from attn_doctor.tracing.store import read_calls
 
 TE_STATE = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
 FP8 = "transformer_engine.pytorch.fp8"
@@ -34,7 +35,7 @@ class Module:
         self.num_attention_heads, self.attention_dropout, self.softmax_scale = 2, 0.0, 0.125
 
 
-def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_cache(monkeypatch):
+def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_cache(monkeypatch, tmp_path):
     params = types.SimpleNamespace(qkv_layout="bshd_bshd_bshd", deterministic=False)
     state = {"attention_params": params, "use_fused_attention": True, "fused_attention_backend": 1}
     monkeypatch.setitem(sys.modules, TE_STATE, types.SimpleNamespace(_attention_backends=state))
@@ -49,8 +50,9 @@ def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_ca
     base = {"q": packed[:, :, 0], "k": packed[:, :, 1], "v": packed[:, :, 2], "out": torch.randn(2, 6, 8)}
 
     def call(tensors=None, **arguments):
-        return {"tensors": tensors or base,
-                "arguments": {"cu_seqlens_q": lengths, "max_seqlen_q": 6, "dropout_p": 0.0} | arguments}
+        tensors = tensors or base
+        return {"bound": {"query": tensors["q"], "key": tensors["k"], "value": tensors["v"], "cu_seqlens_q": lengths,
+                          "max_seqlen_q": 6, "dropout_p": 0.0} | arguments, "output": tensors["out"]}
 
     def fused_to_flash():
         state.update(use_fused_attention=False, use_flash_attention=True, flash_attention_backend="2.7")
@@ -81,19 +83,34 @@ def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_ca
         (lambda: setattr(manager.recipe, "margin", 2), call()),
         (None, call()),  # a repeat
     ]
+    # 25 calls: 2 without a key (whole lines); 3 served from the cache (the two repeats, and dropout 0.0 after
+    # -0.0: call 7's signature); each of the other 20 has its own signature. A list after a tuple is one too: a
+    # key may tell apart calls whose descriptions are equal, never the other way round.
+    NEW_SIGNATURES = set(range(25)) - {1, 12, 15, 16, 24}
     memo = CallDescriber({"pid": 1})
+    memo_file, full_file = tmp_path / "memo.jsonl", tmp_path / "full.jsonl"
     for index, (change, arguments) in enumerate(variants):
         if change is not None:
             change()
-        common = dict(api="te.DotProductAttention", rank=0, world_size=1, parallel={}, te_module=module,
-                      index=index, module_path="layers.0.attention", layer=0, step=0, values=None, **arguments)
-        line = memo.line(**common)
-        assert line == CallDescriber({"pid": 1}).line(**common, memo=False), variants[index]
-        assert json.loads(line)["index"] == index
-    # 25 calls: 2 without a key; 4 served from the cache (the two repeats, dropout 0.0 after -0.0 (call 7's
-    # signature), a list after a tuple (the same in JSON)); each of the other 19 has its own signature.
-    assert memo.signatures == 19
-    described = json.loads(memo.line(**common))
+        common = dict(api="te.DotProductAttention", rank=0, world_size=1, parallel={}, qkv=("query", "key", "value"),
+                      te_module=module, te_state=te_now(), index=index, module_path="layers.0.attention", layer=0,
+                      step=0, values=None, **arguments)
+        if index == 0:
+            at_first_call = common
+        lines = memo.lines(**common)
+        assert len(lines) == (2 if index in NEW_SIGNATURES else 1), variants[index]
+        with open(memo_file, "a") as memo_log, open(full_file, "a") as full_log:
+            memo_log.writelines(lines)
+            full_log.writelines(CallDescriber({"pid": 1}).lines(**common, memo=False))
+        assert read_calls(memo_file)[-1] == read_calls(full_file)[-1], variants[index]
+        assert read_calls(memo_file)[-1]["index"] == index
+    assert memo.signatures == len(NEW_SIGNATURES)
+    described = read_calls(memo_file)[-1]
     assert described["arguments"]["module"]["fp8_recipe"]["margin"] == 2
     assert described["te"]["backend"].startswith("FlashAttention") and described["te"]["qkv_layout"] == "bshd_bs2hd"
     assert described["arguments"]["cu_seqlens_q"]["values"] == [0, 3, 6]
+    # a call described after TE's state changed (a deferred call) is described as TE's state was at the call
+    late = CallDescriber({"pid": 1}).lines(**at_first_call, memo=False)[0]
+    assert json.loads(late)["te"]["backend"].startswith("FusedAttention") and "fp8_recipe" not in late
+    assert all(len(line) < 120 for line in memo_file.read_text().splitlines() if '"index"' in line
+               and '"api"' not in line), "a call naming its signature is a short line"

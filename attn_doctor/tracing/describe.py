@@ -1,14 +1,16 @@
 """What a recorded call says about itself: its tensors' geometry, its arguments, TE's module settings and TE's
-choice, as the JSON line the capture writes (`attn_doctor.tracing.store`); and what keeps that cheap.
+choice, as the JSON lines the capture writes (`attn_doctor.tracing.store`); and what keeps that cheap.
 
-A model makes the same call again and again (every layer, every step), and describing a call (building its dict
-and encoding it) cost more than half of the capture's time per call. So the part of a line that does not change
-between such calls is encoded once per *signature*: a tuple of the raw facts the description is made from
-(shapes, strides, offsets, dtypes, storage sizes and which tensors share a storage; argument values; the TE
-module's attributes; TE's selection state), cheaper to build than the description and equal exactly when the
-description would be equal. What varies per call (its index, module path, layer, step and values file) is added
-to the cached text. Whatever cannot be keyed exactly (an argument of another type, e.g. an object whose repr
-could change) is described in full each time.
+A model makes the same call again and again (every layer, every step). So the part of a call's description that
+does not change between such calls is written once per *signature*, as a line of its own numbered in the calls
+file, and each call is a short line naming it: its index, module path, layer, step and values file. Describing a
+call (building its dict and encoding it) cost more than half of the capture's time per call, and writing the
+whole description each time a fifth more (and made a long run's calls file gigabytes). A signature is known by a
+key: a tuple of the raw facts the description is made from (shapes, strides, offsets, dtypes, storage sizes and
+which tensors share a storage; argument values and types; the TE module's attributes; TE's selection state),
+cheaper to build than the description and equal only when the descriptions are equal. Whatever cannot be keyed
+exactly (an argument of another type, e.g. an object whose repr could change) is described in full, in a line of
+its own that names no signature.
 
 A key may hold ids of objects (a TE module's attributes, TE's parameters object): its entry keeps those objects
 alive, so that no other object can take their id while the entry is cached.
@@ -20,9 +22,11 @@ import contextlib
 import importlib
 import json
 import logging
+import operator
 import sys
 import weakref
 from collections.abc import Hashable
+from itertools import compress, count
 from typing import Any
 
 import torch
@@ -87,6 +91,23 @@ def tensor_key(t: torch.Tensor, storages: dict[int, int]) -> Hashable:
             storages.setdefault(storage.data_ptr(), len(storages)), storage.nbytes(), t.requires_grad)
 
 
+_GEOMETRY = operator.attrgetter("shape", "dtype", "device", "requires_grad")
+
+
+def tensors_key(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, list[int]]:
+    """What `tensor_meta` is made from for each of `tensors` (their storages numbered in order), and the
+    storages' addresses: five runs of a fact per tensor, each gathered by one loop in C. A Python loop over the
+    tensors ran a fifth of the capture's bytecodes per call; without it a call's capture took a fifth less time
+    on this project's CPU machine (none measurably less on the H200's host: reports/h200/capture/deferred/)."""
+    storages = [*map(torch.Tensor.untyped_storage, tensors)]
+    addresses = [*map(torch.UntypedStorage.data_ptr, storages)]
+    return (*map(_GEOMETRY, tensors), *map(torch.Tensor.stride, tensors), *map(torch.Tensor.storage_offset, tensors),
+            *map(addresses.index, addresses), *map(torch.UntypedStorage.nbytes, storages)), addresses
+
+
+_PLAIN = frozenset({type(None), bool, int, str})  # values whose value and type are their description
+
+
 class Unkeyable(Exception):
     """A value whose description no key determines exactly: the call is described in full."""
 
@@ -103,6 +124,9 @@ def value_key(value: Any, storages: dict[int, int], small: SmallValues) -> Hasha
         values = None if value.is_floating_point() or not _keeps_values(value) else small.of(value)
         return tensor_key(value, storages), values
     if kind is tuple or kind is list:
+        kinds = tuple(map(type, value))
+        if _PLAIN.issuperset(kinds):  # e.g. a window (-1, 0)
+            return list, kinds, tuple(value)
         return list, tuple(value_key(v, storages, small) for v in value)
     if kind is dict:
         return dict, tuple((str(k), value_key(v, storages, small)) for k, v in value.items())
@@ -127,9 +151,16 @@ def _fp8_recipe() -> Any:
         return None
 
 
-def te_module_settings(module: Any) -> dict[str, Any]:
+def te_now() -> tuple[dict | None, Any]:
+    """What of TE's state a call's description needs, as it is right after the call: its selection state (a
+    copy: TE changes it in place at its next call) and the FP8 recipe in force."""
+    state = _te_state()
+    return (None if state is None else state.copy()), _fp8_recipe()
+
+
+def te_module_settings(module: Any, recipe: Any) -> dict[str, Any]:
     """The DotProductAttention constructor settings a call depends on (read from the module), and the FP8
-    recipe in force."""
+    recipe in force at the call (`te_now`)."""
     attributes = vars(module)  # plain attributes: nn.Module's __getattr__ makes each missing name cost microseconds
     settings = {name: describe_value(attributes[name], {}) for name in TE_SETTINGS if name in attributes}
     if "softmax_scale" not in settings:  # TE keeps the scale on its backends (fused_attention, ...), not itself
@@ -141,7 +172,6 @@ def te_module_settings(module: Any) -> dict[str, Any]:
     group = attributes.get("cp_group")
     with contextlib.suppress(Exception):
         settings["cp_size"] = torch.distributed.get_world_size(group) if group is not None else 1
-    recipe = _fp8_recipe()
     if recipe is not None:
         settings["fp8_recipe"] = {
             "type": type(recipe).__name__, "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),
@@ -154,27 +184,6 @@ _MISSING = object()
 _MISSINGS = (_MISSING,) * len(TE_READ)
 
 
-def te_settings_key(module: Any, pins: list) -> Hashable:
-    """What `te_module_settings(module)` is made from: the objects it reads, by identity (their values are
-    immutable: strings, numbers, tuples, a process group), and the FP8 recipe's fields by value (a recipe is a
-    mutable dataclass)."""
-    attributes = vars(module)
-    read = [*map(attributes.get, TE_READ, _MISSINGS)]
-    if "softmax_scale" not in attributes:  # the submodule by its dict: nn.Module's __getattr__ costs microseconds
-        read.append(getattr(attributes.get("_modules", {}).get("fused_attention"), "softmax_scale", None))
-    dropout = attributes.get("attention_dropout")
-    if dropout is not None and not isinstance(dropout, (int, float)):
-        read.append(getattr(dropout, "p", None))  # a Dropout module: its p may be set in place
-    recipe = _fp8_recipe()
-    pins.append(read)
-    if recipe is None:
-        return tuple(map(id, read)), None
-    fields = tuple(vars(recipe).items())
-    if not all(isinstance(value, Hashable) for _, value in fields):
-        raise Unkeyable(type(recipe).__name__)
-    return tuple(map(id, read)), type(recipe), fields
-
-
 TE_DPA = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
 TE_CHOICE = ("use_flash_attention", "flash_attention_backend", "use_fused_attention", "fused_attention_backend",
              "use_unfused_attention")
@@ -185,26 +194,41 @@ def _te_state() -> dict | None:
     return state if isinstance(state, dict) else None
 
 
-def te_choice_key(pins: list) -> Hashable:
-    """What `te_choice` reads from TE's selection state: its flags, and its parameters object by identity
-    (TE replaces the object when the parameters change)."""
-    state = _te_state()
-    if state is None:
-        return None
-    params = state.get("attention_params")
-    pins.append(params)
-    return id(params), tuple(map(state.get, TE_CHOICE))
+def te_key(module: Any, now: tuple[dict | None, Any], pins: list) -> Hashable:
+    """What `te_module_settings(module)` and `te_choice` are made from: the objects they read from the module,
+    by identity (their values are immutable: strings, numbers, tuples, a process group); the FP8 recipe's fields
+    by value (a recipe is a mutable dataclass); TE's selection flags, and its parameters object by identity (TE
+    replaces the object when the parameters change); `now`: TE's state at the call (`te_now`). `pins` gets
+    what must stay alive for the ids to hold."""
+    attributes = vars(module)
+    read = [*map(attributes.get, TE_READ, _MISSINGS)]
+    if "softmax_scale" not in attributes:  # the submodule by its dict: nn.Module's __getattr__ costs microseconds
+        read.append(getattr(attributes.get("_modules", {}).get("fused_attention"), "softmax_scale", None))
+    dropout = attributes.get("attention_dropout")
+    if dropout is not None and not isinstance(dropout, (int, float)):
+        read.append(getattr(dropout, "p", None))  # a Dropout module: its p may be set in place
+    state, recipe = now
+    choice = None
+    if state is not None:
+        read.append(state.get("attention_params"))
+        choice = tuple(map(state.get, TE_CHOICE))
+    pins.append(read)
+    if recipe is None:
+        return tuple(map(id, read)), choice
+    fields = tuple(vars(recipe).items())
+    if not all(isinstance(value, Hashable) for _, value in fields):
+        raise Unkeyable(type(recipe).__name__)
+    return tuple(map(id, read)), choice, type(recipe), fields
 
 
-def te_choice(reasons: dict[int, tuple[Any, list[str]]]) -> dict[str, Any]:
-    """The backend TE chose for the call just made, read from TE's own selection state and named as the TE
+def te_choice(state: dict | None, reasons: dict[int, tuple[Any, list[str]]]) -> dict[str, Any]:
+    """The backend TE chose for the call, read from TE's own selection state at the call and named as the TE
     backend's rows name it (`attn_doctor.backends.te.describe_state`), and why: TE's own reasons, found once
     per parameters object (finding them runs TE's selection again, which costs about as much as the call; TE
     keeps its parameters object while they do not change). `reasons` holds the objects it keyed, so that their
     ids are not reused while it knows them."""
     from attn_doctor.backends.te import describe_state
 
-    state = _te_state()
     if state is None:  # an older or newer TE: the choice is unknown, not an error
         return {"backend": "unknown (TE's selection state not readable)"}
     params = state.get("attention_params")
@@ -245,11 +269,16 @@ def te_reasons(params: Any) -> list[str]:
     return [m[:500] for m in caught.lines if m.startswith(TE_REASONS + ("unreadable",))]
 
 
-class CallDescriber:
-    """A call's JSON line, its unchanging part encoded once per signature (see the module docstring).
+QKVO = ("q", "k", "v", "out")
 
-    `line(...)` gives the same text as it does with `memo=False`, which describes the call in full each time
-    (the tests compare the two over calls that differ in each of the facts a signature is made from)."""
+
+class CallDescriber:
+    """A call's lines for the calls file: the unchanging part of its description as a *signature* line, written
+    once per signature, and a short line per call that names it (see the module docstring).
+
+    `lines(...)` describes with the cache; `memo=False` describes the call in full each time, as one line that
+    names no signature (the tests check that both read back the same). A call that cannot be keyed is also
+    written as such a whole line."""
 
     LIMIT = 4096  # signatures kept; a model has a handful (one per distinct call), a step-varying one many
 
@@ -257,52 +286,79 @@ class CallDescriber:
         self.process = process
         self.small = SmallValues()
         self.te_reasons: dict[int, tuple[Any, list[str]]] = {}  # TE's reasons, by its parameters object
-        self._texts: dict[Hashable, tuple[str, list]] = {}
+        self._numbers: dict[Hashable, tuple[int, list]] = {}  # signature key -> (its number, what its key pins)
+        self._next = 0
         self._paths: dict[str, str] = {}
 
     @property
     def signatures(self) -> int:
-        return len(self._texts)
+        return self._next
 
-    def line(self, *, api: str, rank: int, world_size: int, parallel: dict[str, int],
-             tensors: dict[str, torch.Tensor], arguments: dict[str, Any], te_module: Any, index: int,
-             module_path: str, layer: int | None, step: int, values: str | None, memo: bool = True) -> str:
-        """`tensors`: q, k, v, out by name; `arguments`: the call's other arguments by name; `te_module`: the
-        TE module called, or None; `values`: the values file's name, or why there is none."""
+    def lines(self, api: str, rank: int, world_size: int, parallel: dict[str, int], bound: dict[str, Any],
+              qkv: tuple[str, str, str], output: Any, te_module: Any, te_state: tuple | None, index: int,
+              module_path: str, layer: int | None, step: int, values: str | None, memo: bool = True) -> list[str]:
+        """The lines to append for this call, in order: its signature's line when the signature is new, then
+        the call's, each ending in a newline. `bound`: the call's arguments by name, q, k and v under the names
+        `qkv`; `output`: what it returned; `te_module`: the TE module called, or None, and `te_state` what
+        `te_now` gave right after the call; `values`: the values file's name, or why there is none. The caller
+        appends them before another call is described, so that a signature's line always comes before the
+        lines that name it."""
+        arguments = bound.copy()
+        inputs = (*map(arguments.pop, qkv, (None,) * 3), output)
         key = pins = None
         if memo:
             pins = []
             try:
-                storages: dict[int, int] = {}
-                key = (api, rank, world_size, tuple(parallel.items()),
-                       tuple([(name, tensor_key(t, storages)) for name, t in tensors.items()]),
-                       tuple([(name, value_key(v, storages, self.small)) for name, v in arguments.items()]),
-                       None if te_module is None else (te_settings_key(te_module, pins), te_choice_key(pins)))
-                cached = self._texts.get(key)
+                key = self._key(api, rank, world_size, parallel, arguments, inputs, te_module, te_state, pins)
+                known = self._numbers.get(key)
             except (Unkeyable, TypeError):  # TypeError: an unhashable value in TE's state or settings
-                key = cached = None
-            if cached is not None:
-                return self._line(index, module_path, layer, step, values, cached[0])
-        storages = {}
+                key = known = None
+            if known is not None:
+                return [f'{self._head(index, module_path, layer, step, values)},"signature":{known[0]}}}\n']
+        storages: dict[int, int] = {}
+        tensors = {name: t for name, t in zip(QKVO, inputs) if isinstance(t, torch.Tensor)}
         whole = {"api": api, "process": self.process, "rank": rank, "world_size": world_size,
                  "parallel": parallel, "tensors": {name: tensor_meta(t, storages) for name, t in tensors.items()},
                  "arguments": {name: describe_value(v, storages, self.small) for name, v in arguments.items()}}
         if te_module is not None:
-            whole["arguments"]["module"] = te_module_settings(te_module)
-            whole["te"] = te_choice(self.te_reasons)
+            whole["arguments"]["module"] = te_module_settings(te_module, te_state[1])
+            whole["te"] = te_choice(te_state[0], self.te_reasons)
         text = json.dumps(whole, separators=(",", ":"))
-        if key is not None:
-            if len(self._texts) >= self.LIMIT:
-                self._texts.clear()
-            self._texts[key] = (text, pins)
-        return self._line(index, module_path, layer, step, values, text)
+        head = self._head(index, module_path, layer, step, values)
+        if key is None:
+            return [f"{head},{text[1:]}\n"]
+        if len(self._numbers) >= self.LIMIT:
+            self._numbers.clear()
+        number = self._next
+        self._next += 1
+        self._numbers[key] = number, pins
+        return [f'{{"signature":{number},{text[1:]}\n', f'{head},"signature":{number}}}\n']
 
-    def _line(self, index: int, module_path: str, layer: int | None, step: int, values: str | None,
-              fixed: str) -> str:
+    def _key(self, api: str, rank: int, world_size: int, parallel: dict[str, int], arguments: dict[str, Any],
+             inputs: tuple, te_module: Any, te_state: tuple | None, pins: list) -> Hashable:
+        """The raw facts the description is made from, equal only when the descriptions are (`inputs`: q, k, v
+        and the output), gathered in few bytecodes (see `tensors_key`)."""
+        if all(map(isinstance, inputs, (torch.Tensor,) * 4)):
+            names, tensors = QKVO, inputs
+        else:
+            names = tuple(name for name, t in zip(QKVO, inputs) if isinstance(t, torch.Tensor))
+            tensors = tuple(t for t in inputs if isinstance(t, torch.Tensor))
+        geometry, addresses = tensors_key(tensors)
+        given = [*arguments.values()]
+        kinds = tuple(map(type, given))
+        if not _PLAIN.issuperset(kinds):  # a tensor, float or container among them: its value_key instead
+            storages = dict(zip(dict.fromkeys(addresses), count()))  # as tensor_meta numbers them: q, k, v, out first
+            for position in compress(count(), map(operator.not_, map(_PLAIN.__contains__, kinds))):  # not plain
+                given[position] = value_key(given[position], storages, self.small)
+        return (api, rank, world_size, tuple(parallel.items()), names, geometry, tuple(arguments), kinds,
+                tuple(given), None if te_module is None else te_key(te_module, te_state, pins))
+
+    def _head(self, index: int, module_path: str, layer: int | None, step: int, values: str | None) -> str:
+        """What a call's line says of the call itself, the closing brace left off."""
         path = self._paths.get(module_path)
         if path is None:  # a model's few module paths, encoded once each
             if len(self._paths) >= self.LIMIT:
                 self._paths.clear()
             path = self._paths[module_path] = json.dumps(module_path)
         return (f'{{"index":{index},"module":{path},"layer":{"null" if layer is None else layer},"step":{step},'
-                f'"values":{"null" if values is None else json.dumps(values)},{fixed[1:]}')
+                f'"values":{"null" if values is None else json.dumps(values)}')

@@ -3,16 +3,16 @@
 
 What is wrapped, for as long as the capture runs: `torch.nn.functional.scaled_dot_product_attention`, TE's
 `DotProductAttention.forward` and flash-attn's `flash_attn_func` / `flash_attn_varlen_func` (TE and flash-attn
-when imported, before or after the capture starts). Each call is passed through untouched (same arguments,
-same tensors, no copy before the call, no synchronisation), so a capture never changes the numbers of the run
-it observes; then its metadata is written (`attn_doctor.tracing.store`; the line is made by
-`attn_doctor.tracing.describe`, its repeating part once per call signature): every tensor's shape, dtype, strides,
-storage offset and storage size (tensors sharing a storage share its id, so packed q/k/v views replay as
-packed), the call's arguments (small integer tensors such as cu_seqlens with their values), what TE chose
-(its backend, sub-backend and layout, read back from TE, and TE's own reasons: the lines its debug log gives),
-FP8 state, the process rank and parallel sizes, the module path and layer number, the forward-pass (step)
-number and the call's index. A call made inside another captured call (e.g. SDPA under a wrapper) is not
-recorded twice.
+when imported, before or after the capture starts). Each call is passed through untouched (same arguments, same
+tensors, no copy before the call, no synchronisation), so a capture never changes the numbers of the run it
+observes. Its metadata is written at the call or when the model's forward pass ends (`Recorder._record`), into
+`attn_doctor.tracing.store`'s files, as lines `attn_doctor.tracing.describe` makes (their repeating part once
+per call signature): every tensor's shape, dtype, strides, storage offset and storage size (tensors sharing a
+storage share its id, so packed q/k/v views replay as packed), the call's arguments (small integer tensors such
+as cu_seqlens with their values), what TE chose (its backend, sub-backend and layout, read back from TE, and
+TE's own reasons: the lines its debug log gives), FP8 state, the process rank and parallel sizes, the module
+path and layer number, the forward-pass (step) number and the call's index. A call made inside another captured
+call (e.g. SDPA under a wrapper) is not recorded twice.
 
 Values (`values=True`) are recorded for the selected layers, steps and ranks only, within `max_bytes` per
 process: q, k, v, out and the masks after the forward; the output gradient and dQ, dK, dV when the backward
@@ -20,10 +20,11 @@ reaches them (tensor hooks that return nothing, so no gradient changes). Nothing
 model inputs, no other activations.
 
 The layer is the first number in the module path (`decoder.layers.17.self_attention` -> 17: Megatron's and
-Hugging Face's naming), else the call's position within its forward pass. The step counts forward passes of
-the outermost module running at the first recorded call (the model), with a pre-hook on it alone: no hook runs
-on the model's other modules. The module path is read from the Python stack until the model is known; then
-a module of the model is named from the model's own names (`Recorder._where`).
+Hugging Face's naming), else the call's position within its forward pass. The step counts forward passes of the
+outermost module running at the first recorded call (the model), with a pre-hook on it alone (and a hook at its
+end, which writes the calls deferred to it): no hook runs on the model's other modules. The module path is read
+from the Python stack until the model is known; then a module of the model is named from the model's own names
+(`Recorder._where`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from attn_doctor.tracing import store
-from attn_doctor.tracing.describe import CallDescriber
+from attn_doctor.tracing.describe import CallDescriber, te_now
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 ENV_OPTIONS = "ATTN_DOCTOR_CAPTURE"  # the options of `attn-doctor capture`, as JSON, for the child processes
@@ -219,6 +220,7 @@ class Recorder:
         self._thread = _Busy()
         self._names: dict[int, tuple[torch.nn.Module, dict[int, tuple[str, int | None]]]] = {}
         self._model: torch.nn.Module | None = None
+        self._model_names: dict[int, tuple[str, int | None]] | None = None  # self._names' entry of the model
         self._step = 0
         self._ordinal = 0
         self._lock = threading.Lock()
@@ -226,6 +228,8 @@ class Recorder:
         self._log: store.CallLog | None = None
         self._describer = CallDescriber(_this_process())
         self._read: tuple[tuple[int, int], tuple[int, int, dict[str, int]]] | None = None  # what _layout read
+        self._in_model = 0  # the model's forward passes running: its pre-hook counts them in, its hook out
+        self._deferred: list[tuple] = []  # calls to describe when the model's forward pass ends (`_record`)
 
     # -- starting and stopping --
 
@@ -253,6 +257,7 @@ class Recorder:
 
     def stop(self) -> None:
         _RUNNING.discard(self)
+        self._flush()
         while self._undo:
             self._undo.pop()()
         if self._log is not None:
@@ -265,6 +270,7 @@ class Recorder:
         closed by the child."""
         self._lock = threading.Lock()  # another thread may have held it at the fork
         self._log = None
+        self._deferred = []  # the parent's calls
         self._describer = CallDescriber(_this_process())
 
     def _wrap_attribute(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -293,14 +299,11 @@ class Recorder:
         the model is known, a module of it is named without walking the whole stack (a fifth of a call's cost
         on the H200's host): a TE call's module is the DotProductAttention called, a function's the innermost
         running module."""
-        model = self._model
-        if model is not None:
-            known = self._names.get(id(model))
+        if self._model_names is not None:
             inner = te_module if te_module is not None else innermost_module(sys._getframe(1))
-            if known is not None and known[0] is model and inner is not None:
-                found = known[1].get(id(inner))
-                if found is not None:
-                    return found
+            found = self._model_names.get(id(inner))
+            if found is not None:
+                return found
         self._read = None  # a call outside the model's forward: the rank and parallel layout are read again
         stack = modules_on_stack(sys._getframe(1))
         if not stack:
@@ -310,16 +313,30 @@ class Recorder:
             if self._model is None:  # its first forward is running: step 0; the hook counts the next ones
                 self._model = outermost
                 self._undo.append(outermost.register_forward_pre_hook(self._next_step).remove)
+                self._undo.append(outermost.register_forward_hook(self._forward_done, always_call=True).remove)
             known = self._names.get(id(outermost))
             if known is None or known[0] is not outermost:
                 known = self._names[id(outermost)] = (outermost, {
                     id(m): (name, _layer_of(name)) for name, m in outermost.named_modules()})
+            if outermost is self._model:
+                self._model_names = known[1]
         return known[1].get(id(stack[-1]), (type(stack[-1]).__name__, None))
 
     def _next_step(self, module: torch.nn.Module, args: Any) -> None:
         with self._lock:
             self._step += 1
             self._ordinal = 0
+            self._in_model += 1
+
+    def _forward_done(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The model's forward pass returned or raised: its deferred calls are written now."""
+        start = time.perf_counter()
+        with self._lock:
+            self._in_model = max(0, self._in_model - 1)  # its first pass ran before the pre-hook was set
+            ended = self._in_model == 0
+        if ended:
+            self._flush()
+        self.seconds += time.perf_counter() - start
 
     # -- the wrappers --
 
@@ -378,7 +395,17 @@ class Recorder:
 
     # -- writing a call --
 
+    DEFERRED = 1024  # calls held at most before they are written, whatever the model's forward pass does
+
     def _record(self, api: str, bound: dict, qkv: tuple[str, str, str], out: Any, te_module: Any) -> None:
+        """Records a call: its values now (when selected); its lines now, or at the end of the model's forward
+        pass when autograd keeps the call's tensors until the backward anyway (`_kept_for_backward`).
+
+        Why defer: inside a forward pass bound by the CPU, describing a call right after it ran does so on
+        caches the model's own code has filled; describing the pass's calls one after another at its end cut
+        the capture's time per TE call by a quarter on the H200's host (63 against 85 us in the same process,
+        reports/h200/capture/deferred/). The price: a process killed in the middle of a forward pass loses
+        that pass's calls (one that raises keeps them: the hook that writes them runs then too)."""
         path, layer = self._where(te_module)
         rank, world, parallel = self._layout()
         with self._lock:
@@ -389,22 +416,42 @@ class Recorder:
         layer = layer if layer is not None else ordinal
         step = self._step
         output = out[0] if isinstance(out, (tuple, list)) else out
-        tensors = {name: bound[key] for name, key in zip(("q", "k", "v"), qkv)
-                   if isinstance(bound.get(key), torch.Tensor)}
-        if isinstance(output, torch.Tensor):
-            tensors["out"] = output
         values = None
-        if self.selection.wants(layer, step, rank):
+        if self.selection.values and self.selection.wants(layer, step, rank):
             values = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound, qkv, output)
-        line = self._describer.line(
-            api=api, rank=rank, world_size=world, parallel=parallel, tensors=tensors,
-            arguments={k: v for k, v in bound.items() if k not in qkv}, te_module=te_module, index=index,
-            module_path=path, layer=layer, step=step, values=values)
+        call = (api, rank, world, parallel, bound, qkv, output, te_module, None if te_module is None else te_now(),
+                index, path, layer, step, values)
+        if self._in_model and _kept_for_backward(output):
+            with self._lock:
+                self._deferred.append(call)
+                if len(self._deferred) < self.DEFERRED:
+                    return
+            self._flush()
+        else:
+            self._write([call])
+
+    def _flush(self) -> None:
+        """Writes the deferred calls."""
+        with self._lock:
+            calls, self._deferred = self._deferred, []
+        if calls:
+            try:
+                self._write(calls)
+            except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+                print(f"attn-doctor capture: {len(calls)} calls not recorded ({type(exc).__name__}: {exc})",
+                      file=sys.stderr)
+
+    def _write(self, calls: list[tuple]) -> None:
+        """The calls' lines, each call's described and written before the next's, so that a signature's line
+        comes before the calls naming it."""
         with self._lock:
             if self._log is None:  # the first call: the rank is known now (torchrun sets it up after start)
+                rank = calls[0][1]
                 _write_env(store.rank_dir(self.root, rank) / "env.json")
                 self._log = store.CallLog(self.root, rank, os.getpid())
-            self._log.append_line(line)
+            for call in calls:
+                for line in self._describer.lines(*call):
+                    self._log.append(line)
 
     def _layout(self) -> tuple[int, int, dict[str, int]]:
         """The process's rank, world size and parallel layout (`_rank_and_world`, `_parallel_sizes`), read once
@@ -453,6 +500,29 @@ class Recorder:
 
             tensor.register_hook(save_input_gradient)
         return stem.name + ".safetensors"
+
+
+def _kept_for_backward(output: Any) -> bool:
+    """Whether autograd keeps the call's tensors until the backward anyway, so that holding them until the
+    forward pass ends costs no memory: gradients on, an output that needs one, and no saved-tensor hooks
+    (activation checkpointing or offloading, which drop or move what autograd saves). An attention function
+    saves q, k and v for its backward, and TE's and SDPA's fused kernels also the output (SDPA's math path
+    saves its intermediates instead of the output, which is then held longer than it would be)."""
+    return (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad
+            and not _saved_tensor_hooks_on())
+
+
+def _saved_tensor_hooks_reader() -> Callable[[], bool]:
+    """Whether saved-tensor hooks are on in this thread, as a function found once (torch's is private)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        top(False)
+        return lambda: top(False) is not None
+    except TypeError:  # absent, or a torch whose function takes no argument
+        return (lambda: top() is not None) if callable(top) else (lambda: True)  # unknowable: as if on
+
+
+_saved_tensor_hooks_on = _saved_tensor_hooks_reader()
 
 
 def _write_env(path: Path) -> None:

@@ -2,16 +2,18 @@
 
     DIR/capture.json                          what was asked (selection, budget) and when
     DIR/rank<R>/env.json                      the environment fingerprint of rank R's process
-    DIR/rank<R>/calls-<PID>.jsonl             one line per attention call of process PID: its metadata
+    DIR/rank<R>/calls-<PID>.jsonl             the attention calls of process PID: a line per call, naming
+                                              the line above that holds the rest of its metadata (a signature)
     DIR/rank<R>/<PID>-call-<NNNNNN>.safetensors        its q, k, v, out (and masks) values, when selected
     DIR/rank<R>/<PID>-call-<NNNNNN>.dout.safetensors   its output gradient, once the backward reached it
     DIR/rank<R>/<PID>-call-<NNNNNN>.d{q,k,v}.safetensors  its input gradients, likewise
 
-Each call is written whole or not at all: its values first (a temp file, then a rename), then its line, stored
-into a memory map of the calls file (`CallLog`: a file per call cost a millisecond, a flushed write per line a
-fifth of a call's capture cost). A killed run leaves every call whose line was stored; a line it cut off
-mid-write, and the unused end of the file, are ignored on reading, like a sweep's results.jsonl. Values are
-safetensors and metadata JSON: loading someone else's capture never runs code (no pickle).
+Each call is written whole or not at all: its values first (a temp file, then a rename), then its signature's
+line when the signature is new (`attn_doctor.tracing.describe`), then its own line, stored into a memory map of
+the calls file (`CallLog`: a file per call cost a millisecond, a flushed write per line a fifth of a call's
+capture cost). A killed run leaves every call whose line was stored; a line it cut off mid-write, and the unused
+end of the file, are ignored on reading, like a sweep's results.jsonl. Values are safetensors and metadata JSON:
+loading someone else's capture never runs code (no pickle).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.results.files import write_atomic, write_atomic_bytes
 
 FORMAT = "attn-doctor/capture"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a signature's line per distinct call, a short line per call naming it
 HEADER = "capture.json"
 
 
@@ -81,9 +83,9 @@ class CallLog:
         os.ftruncate(self._fd, size)
         self._map, self._size = mmap.mmap(self._fd, size), size
 
-    def append_line(self, line: str) -> None:
-        """One call's JSON text (one line: JSON text never holds a raw newline)."""
-        data = line.encode() + b"\n"
+    def append(self, line: str) -> None:
+        """One line: JSON text and its newline (JSON text never holds a raw newline)."""
+        data = line.encode()
         if self._map is None:
             os.write(self._fd, data)
             return
@@ -186,13 +188,29 @@ def read_capture(root: Path) -> list[CapturedCall]:
     if document.get("format") != FORMAT or document.get("format_version", 0) > FORMAT_VERSION:
         raise BadInput(f"{header} is not a capture this attn-doctor reads (format {document.get('format')!r}, "
                        f"version {document.get('format_version')!r}); upgrade attn-doctor")
-    calls = []
-    for path in sorted(root.glob("rank*/calls-*.jsonl")):
-        lines = path.read_bytes().split(b"\n")
-        lines.pop()  # b"" after the last newline, or what a killed run left: a cut-off line, unused NUL bytes
-        for number, line in enumerate(lines, start=1):
-            try:
-                calls.append(CapturedCall(path.parent, json.loads(line)))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                raise BadInput(f"{path}:{number} is not a captured call; the capture is damaged") from None
+    calls = [CapturedCall(path.parent, meta) for path in sorted(root.glob("rank*/calls-*.jsonl"))
+             for meta in read_calls(path)]
     return sorted(calls, key=lambda c: (c.rank, c.meta["process"]["started"], c.index))
+
+
+def read_calls(path: Path) -> list[dict[str, Any]]:
+    """The calls of one calls file, each as one document: a call's line with the signature it names (the
+    latest line defining that number above it) merged in. Bad input when a line is not JSON or names a
+    signature no line above defines."""
+    lines = Path(path).read_bytes().split(b"\n")
+    lines.pop()  # b"" after the last newline, or what a killed run left: a cut-off line, unused NUL bytes
+    signatures: dict[int, dict[str, Any]] = {}
+    calls = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            document = json.loads(line)
+            if "index" not in document:  # a signature: the part of its calls' description they share
+                signatures[document.pop("signature")] = document
+                continue
+            named = document.pop("signature", None)
+            if named is not None:
+                document.update(signatures[named])
+        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError, KeyError):
+            raise BadInput(f"{path}:{number} is not a captured call; the capture is damaged") from None
+        calls.append(document)
+    return calls
