@@ -11,8 +11,10 @@
 Each call is written whole or not at all: its values first (a temp file, then a rename), then its signature's
 line when the signature is new (`attn_doctor.tracing.describe`), then its own line, stored into a memory map of
 the calls file (`CallLog`: a file per call cost a millisecond, a flushed write per line a fifth of a call's
-capture cost). A killed run leaves every call whose line was stored; a line it cut off mid-write, and the unused
-end of the file, are ignored on reading, like a sweep's results.jsonl. Values are safetensors and metadata JSON:
+capture cost). A killed run leaves every call whose line was stored (in a training step, a call's lines wait for
+the end of the model's forward pass: `attn_doctor.tracing.record`); a line it cut off mid-write, and the unused
+end of the file, are ignored on reading, like a sweep's results.jsonl. Calls written by an earlier attn-doctor
+(format 1: a whole line per call, naming no signature) read the same. Values are safetensors and metadata JSON:
 loading someone else's capture never runs code (no pickle).
 """
 
