@@ -84,13 +84,6 @@ def describe_value(value: Any, storages: dict[int, int], small: SmallValues | No
     return {"repr": repr(value)[:500]}
 
 
-def tensor_key(t: torch.Tensor, storages: dict[int, int]) -> Hashable:
-    """What `tensor_meta(t, storages)` is made from, with the same effect on `storages`."""
-    storage = t.untyped_storage()
-    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
-            storages.setdefault(storage.data_ptr(), len(storages)), storage.nbytes(), t.requires_grad)
-
-
 _GEOMETRY = operator.attrgetter("shape", "dtype", "device", "requires_grad")
 
 
@@ -103,6 +96,23 @@ def tensors_key(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, list[int]]:
     addresses = [*map(torch.UntypedStorage.data_ptr, storages)]
     return (*map(_GEOMETRY, tensors), *map(torch.Tensor.stride, tensors), *map(torch.Tensor.storage_offset, tensors),
             *map(addresses.index, addresses), *map(torch.UntypedStorage.nbytes, storages)), addresses
+
+
+def tensor_key(t: torch.Tensor, storages: dict[int, int]) -> Hashable:
+    """What `tensor_meta(t, storages)` is made from, with the same effect on `storages`."""
+    geometry, (address,) = tensors_key((t,))
+    return geometry, storages.setdefault(address, len(storages))
+
+
+QKVO = ("q", "k", "v", "out")
+
+
+def _tensors_of(inputs: tuple) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """The names (of QKVO) and the tensors of those of a call's q, k, v and output that are tensors."""
+    if all(map(isinstance, inputs, (torch.Tensor,) * len(inputs))):
+        return QKVO, inputs
+    present = [(name, t) for name, t in zip(QKVO, inputs) if isinstance(t, torch.Tensor)]
+    return tuple(name for name, _ in present), tuple(t for _, t in present)
 
 
 _PLAIN = frozenset({type(None), bool, int, str})  # values whose value and type are their description
@@ -269,9 +279,6 @@ def te_reasons(params: Any) -> list[str]:
     return [m[:500] for m in caught.lines if m.startswith(TE_REASONS + ("unreadable",))]
 
 
-QKVO = ("q", "k", "v", "out")
-
-
 class CallDescriber:
     """A call's lines for the calls file: the unchanging part of its description as a *signature* line, written
     once per signature, and a short line per call that names it (see the module docstring).
@@ -316,9 +323,8 @@ class CallDescriber:
             if known is not None:
                 return [f'{self._head(index, module_path, layer, step, values)},"signature":{known[0]}}}\n']
         storages: dict[int, int] = {}
-        tensors = {name: t for name, t in zip(QKVO, inputs) if isinstance(t, torch.Tensor)}
-        whole = {"api": api, "process": self.process, "rank": rank, "world_size": world_size,
-                 "parallel": parallel, "tensors": {name: tensor_meta(t, storages) for name, t in tensors.items()},
+        whole = {"api": api, "process": self.process, "rank": rank, "world_size": world_size, "parallel": parallel,
+                 "tensors": {name: tensor_meta(t, storages) for name, t in zip(*_tensors_of(inputs))},
                  "arguments": {name: describe_value(v, storages, self.small) for name, v in arguments.items()}}
         if te_module is not None:
             whole["arguments"]["module"] = te_module_settings(te_module, te_state[1])
@@ -338,11 +344,7 @@ class CallDescriber:
              inputs: tuple, te_module: Any, te_state: tuple | None, pins: list) -> Hashable:
         """The raw facts the description is made from, equal only when the descriptions are (`inputs`: q, k, v
         and the output), gathered in few bytecodes (see `tensors_key`)."""
-        if all(map(isinstance, inputs, (torch.Tensor,) * 4)):
-            names, tensors = QKVO, inputs
-        else:
-            names = tuple(name for name, t in zip(QKVO, inputs) if isinstance(t, torch.Tensor))
-            tensors = tuple(t for t in inputs if isinstance(t, torch.Tensor))
+        names, tensors = _tensors_of(inputs)
         geometry, addresses = tensors_key(tensors)
         given = [*arguments.values()]
         kinds = tuple(map(type, given))
