@@ -170,6 +170,26 @@ def test_the_calls_file_grows_past_its_chunks_and_ends_at_its_last_line_once_clo
     assert [c.meta["tensors"]["q"]["shape"][2] for c in calls] == [4] * 200 + [6] * 200
 
 
+def test_a_line_that_could_not_be_written_leaves_the_calls_after_it_readable(tmp_path, monkeypatch, capfd):
+    """A signature numbered but never written (the disk full at that moment) must not be named by later calls:
+    a call naming a signature no line defines makes the whole capture unreadable."""
+    append, failures = store.CallLog.append, []
+
+    def append_or_fail(self, line: str) -> None:
+        if '"signature"' in line and '"api"' in line and not failures:
+            failures.append(line)
+            raise OSError("No space left on device")
+        append(self, line)
+
+    monkeypatch.setattr(store.CallLog, "append", append_or_fail)
+    q = torch.randn(1, 2, 4, 8)
+    with attn_doctor.capture(tmp_path):
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, q, q)
+    assert failures and "call not recorded (OSError: No space left on device)" in capfd.readouterr().err
+    assert [c.index for c in read_capture(tmp_path)] == [1, 2]  # the first call is lost, not the capture
+
+
 def test_where_a_file_cannot_be_mapped_each_line_is_written(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("no shared maps here")

@@ -82,11 +82,12 @@ def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_ca
         (lambda: setattr(manager, "recipe", Recipe()), call()),
         (lambda: setattr(manager.recipe, "margin", 2), call()),
         (None, call()),  # a repeat
+        (None, call({"q": None, "k": None, "v": None, "out": base["out"]}, qkv_layer=packed)),  # TE's packed q, k, v
     ]
-    # 25 calls: 2 without a key (whole lines); 3 served from the cache (the two repeats, and dropout 0.0 after
-    # -0.0: call 7's signature); each of the other 20 has its own signature. A list after a tuple is one too: a
+    # 26 calls: 2 without a key (whole lines); 3 served from the cache (the two repeats, and dropout 0.0 after
+    # -0.0: call 7's signature); each of the other 21 has its own signature. A list after a tuple is one too: a
     # key may tell apart calls whose descriptions are equal, never the other way round.
-    NEW_SIGNATURES = set(range(25)) - {1, 12, 15, 16, 24}
+    NEW_SIGNATURES = set(range(26)) - {1, 12, 15, 16, 24}
     memo = CallDescriber({"pid": 1})
     memo_file, full_file = tmp_path / "memo.jsonl", tmp_path / "full.jsonl"
     for index, (change, arguments) in enumerate(variants):
@@ -109,6 +110,7 @@ def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_ca
     assert described["arguments"]["module"]["fp8_recipe"]["margin"] == 2
     assert described["te"]["backend"].startswith("FlashAttention") and described["te"]["qkv_layout"] == "bshd_bs2hd"
     assert described["arguments"]["cu_seqlens_q"]["values"] == [0, 3, 6]
+    assert [described["tensors"][name]["storage_offset"] for name in "qkv"] == [0, 8, 16]  # packed's selected views
     # a call described after TE's state changed (a deferred call) is described as TE's state was at the call
     late = CallDescriber({"pid": 1}).lines(**at_first_call, memo=False)[0]
     assert json.loads(late)["te"]["backend"].startswith("FusedAttention") and "fp8_recipe" not in late

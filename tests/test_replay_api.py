@@ -109,6 +109,74 @@ def test_a_packed_thd_call_comes_back_token_for_token_in_its_own_slots(te_stand_
         ("contiguous", "PASS"), (CAPTURED, "SKIP")}  # SDPA takes padded bshd: TE's paths take the packed views
 
 
+class PackedTEStandIn(TEStandIn):
+    """TE >= 2.20's DotProductAttention as far as a capture sees it: q, k, v may come packed in qkv_layer (all
+    three) or kv_layer (k and v), selected along qkv_interleave_dim; MultiheadAttention passes them so."""
+
+    def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None, qkv_format=None,
+                qkv_layer=None, kv_layer=None, qkv_interleave_dim=-3):
+        if qkv_layer is not None:
+            query_layer, key_layer, value_layer = (qkv_layer.select(qkv_interleave_dim, i) for i in range(3))
+        elif kv_layer is not None:
+            key_layer, value_layer = (kv_layer.select(qkv_interleave_dim, i) for i in range(2))
+        return super().forward(query_layer, key_layer, value_layer)
+
+
+@pytest.mark.parametrize("packed_as", ["qkv_layer", "qkv_layer at -2", "kv_layer"])
+def test_te_packed_qkv_layer_is_captured_as_the_views_te_selects_and_replayed(packed_as, run_cli, tmp_path,
+                                                                              monkeypatch):
+    fake = types.ModuleType("transformer_engine.pytorch")
+    fake.DotProductAttention = PackedTEStandIn
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake)
+    b, s, h, d = 2, 8, 2, 16
+    q = None
+    if packed_as == "kv_layer":
+        q, packed, dim = torch.randn(b, s, h, d, requires_grad=True), torch.randn(b, s, 2, h, d), -3
+        arguments = {"kv_layer": packed.requires_grad_()}
+    else:
+        dim = -2 if packed_as.endswith("-2") else -3
+        packed = torch.randn(b, s, h, 3, d) if dim == -2 else torch.randn(b, s, 3, h, d)
+        arguments = {"qkv_layer": packed.requires_grad_(), **({"qkv_interleave_dim": -2} if dim == -2 else {})}
+    module = PackedTEStandIn(h, qkv_format="bshd")
+    with attn_doctor.capture(tmp_path / "cap", values=True):
+        PackedTEStandIn.forward(module, q, **arguments).square().sum().backward()
+    (call,) = read_capture(tmp_path / "cap")
+    derived = "qkv" if q is None else "kv"  # the names TE gives the slices of the packed buffer
+    views = {name: packed.select(dim, i) for i, name in enumerate(derived)} | ({} if q is None else {"q": q})
+    tensors, values = call.meta["tensors"], load_values(call.values_path)
+    packed_meta = call.meta["arguments"][next(iter(arguments))]["tensor"]
+    for name, view in views.items():  # the very views TE reads: its storage, strides and offsets, and values
+        assert tensors[name]["shape"] == list(view.shape) and tensors[name]["stride"] == list(view.stride())
+        assert tensors[name]["storage_offset"] == view.storage_offset()
+        assert torch.equal(values[name], view.detach())
+        gradient = load_values(call.values_path.with_name(call.values_path.stem + f".d{name}.safetensors"))
+        expected = packed.grad.select(dim, derived.index(name)) if name in derived else q.grad
+        assert torch.equal(gradient[f"d{name}"], expected)
+        if name in derived:
+            assert tensors[name]["storage"] == packed_meta["storage"]
+    assert not any(key.startswith("arg.") for key in values)  # the packed buffer is q, k, v's values already
+    case = case_of(call, tmp_path / "cap")
+    assert not isinstance(case, str), case
+    assert (case.qkv_format, case.heads, case.head_dim, case.seq) == ("bshd", h, d, s)
+    result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out", tmp_path / "r"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "r" / "results.json").read_text())["results"]
+    assert {(r["layout"], r["verdict"]) for r in rows if r["backend"] == "sdpa.math"} >= {("contiguous", "PASS")}
+
+
+def test_a_packed_call_captured_without_its_views_says_capture_again(run_cli, tmp_path, monkeypatch):
+    fake = types.ModuleType("transformer_engine.pytorch")
+    fake.DotProductAttention = PackedTEStandIn
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake)
+    from attn_doctor.tracing import describe
+
+    monkeypatch.setattr(describe, "unpacked", lambda q, k, v, arguments: (q, k, v))  # as attn-doctor before
+    with attn_doctor.capture(tmp_path / "cap"):
+        PackedTEStandIn.forward(PackedTEStandIn(2, qkv_format="bshd"), qkv_layer=torch.randn(1, 4, 3, 2, 8))
+    (call,) = read_capture(tmp_path / "cap")
+    assert "capture again" in case_of(call, tmp_path / "cap")
+
+
 def test_packed_tensors_with_tokens_outside_every_sequence_say_why(te_stand_in, tmp_path):
     buffer = _packed_thd(12)
     offsets = torch.tensor([0, 5, 8], dtype=torch.int32)

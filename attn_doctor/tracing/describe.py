@@ -115,6 +115,33 @@ def _tensors_of(inputs: tuple) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...
     return tuple(name for name, _ in present), tuple(t for _, t in present)
 
 
+def packed_source(q: Any, k: Any, v: Any,
+                  arguments: dict[str, Any]) -> tuple[torch.Tensor, int, tuple[str, ...]] | None:
+    """The packed argument a TE call's missing k and v (and q) are in, the dimension TE selects them along and
+    their names: `qkv_layer` when q, k and v are None, `kv_layer` when k and v are (TE >= 2.20's
+    MultiheadAttention passes its fused projection's output so, where TE before detected the packing from the
+    views' pointers). None when the call passes its q, k and v, or its packed argument is not what TE accepts."""
+    if k is not None or v is not None:
+        return None
+    packed, names = (arguments.get("qkv_layer"), QKVO[:3]) if q is None else (arguments.get("kv_layer"), QKVO[1:3])
+    dim = arguments.get("qkv_interleave_dim", -3)  # TE's default; a call's arguments leave defaults out
+    if not isinstance(packed, torch.Tensor) or type(dim) is not int or dim not in (-3, -2) or packed.dim() < 3 or (
+            packed.shape[dim] != len(names)):
+        return None
+    return packed, dim, names
+
+
+def unpacked(q: Any, k: Any, v: Any, arguments: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """A call's q, k and v as the tensors the kernel reads: the views TE selects from a packed argument
+    (`packed_source`: the same storage, strides and offsets as TE's own views), else as passed."""
+    source = packed_source(q, k, v, arguments)
+    if source is None:
+        return q, k, v
+    packed, dim, names = source
+    views = dict(zip(names, (packed.select(dim, i) for i in range(len(names)))))
+    return views.get("q", q), views["k"], views["v"]
+
+
 _PLAIN = frozenset({type(None), bool, int, str})  # values whose value and type are their description
 
 
@@ -150,22 +177,22 @@ TE_SETTINGS = ("qkv_format", "attn_mask_type", "window_size", "softmax_type", "n
 TE_READ = TE_SETTINGS + ("attention_dropout", "cp_group")  # the attributes te_module_settings reads
 
 
-def _fp8_recipe() -> Any:
-    """TE's FP8 recipe while FP8 is on, else None."""
-    fp8 = (sys.modules.get("transformer_engine.pytorch.fp8")
-           or sys.modules.get("transformer_engine.pytorch.quantization"))
-    manager = getattr(fp8, "FP8GlobalStateManager", None)
-    try:
-        return manager.get_fp8_recipe() if manager is not None and manager.is_fp8_enabled() else None
-    except Exception:  # noqa: BLE001 - an older or newer TE: no recipe read, never a failed run
-        return None
+TE_DPA = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
+TE_FP8 = ("transformer_engine.pytorch.fp8", "transformer_engine.pytorch.quantization")  # TE's FP8 state, by version
 
 
 def te_now() -> tuple[dict | None, Any]:
     """What of TE's state a call's description needs, as it is right after the call: its selection state (a
-    copy: TE changes it in place at its next call) and the FP8 recipe in force."""
-    state = _te_state()
-    return (None if state is None else state.copy()), _fp8_recipe()
+    copy: TE changes it in place at its next call) and the FP8 recipe in force (None while FP8 is off). Run at
+    every TE call: its lookups are written out here rather than in helpers."""
+    modules = sys.modules
+    state = getattr(modules.get(TE_DPA), "_attention_backends", None)  # imported by the TE call just made
+    manager = getattr(modules.get(TE_FP8[0]) or modules.get(TE_FP8[1]), "FP8GlobalStateManager", None)
+    try:
+        recipe = manager.get_fp8_recipe() if manager is not None and manager.is_fp8_enabled() else None
+    except Exception:  # noqa: BLE001 - an older or newer TE: no recipe read, never a failed run
+        recipe = None
+    return (state.copy() if isinstance(state, dict) else None), recipe
 
 
 def te_module_settings(module: Any, recipe: Any) -> dict[str, Any]:
@@ -194,14 +221,8 @@ _MISSING = object()
 _MISSINGS = (_MISSING,) * len(TE_READ)
 
 
-TE_DPA = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
 TE_CHOICE = ("use_flash_attention", "flash_attention_backend", "use_fused_attention", "fused_attention_backend",
              "use_unfused_attention")
-
-
-def _te_state() -> dict | None:
-    state = getattr(sys.modules.get(TE_DPA), "_attention_backends", None)  # imported by the TE call just made
-    return state if isinstance(state, dict) else None
 
 
 def te_key(module: Any, now: tuple[dict | None, Any], pins: list) -> Hashable:
@@ -279,6 +300,9 @@ def te_reasons(params: Any) -> list[str]:
     return [m[:500] for m in caught.lines if m.startswith(TE_REASONS + ("unreadable",))]
 
 
+_NONES = (None,) * 3
+
+
 class CallDescriber:
     """A call's lines for the calls file: the unchanging part of its description as a *signature* line, written
     once per signature, and a short line per call that names it (see the module docstring).
@@ -301,6 +325,12 @@ class CallDescriber:
     def signatures(self) -> int:
         return self._next
 
+    def forget(self) -> None:
+        """Forgets the signatures numbered so far, so that each is described again, under a new number: for a
+        caller whose lines did not all reach the file (a signature named by a call but never written would make
+        the whole capture unreadable)."""
+        self._numbers.clear()
+
     def lines(self, api: str, rank: int, world_size: int, parallel: dict[str, int], bound: dict[str, Any],
               qkv: tuple[str, str, str], output: Any, te_module: Any, te_state: tuple | None, index: int,
               module_path: str, layer: int | None, step: int, values: str | None, memo: bool = True) -> list[str]:
@@ -311,7 +341,9 @@ class CallDescriber:
         appends them before another call is described, so that a signature's line always comes before the
         lines that name it."""
         arguments = bound.copy()
-        inputs = (*map(arguments.pop, qkv, (None,) * 3), output)
+        inputs = (*map(arguments.pop, qkv, _NONES), output)
+        if inputs[1] is None:  # k not passed: the views TE selects from a packed qkv_layer or kv_layer
+            inputs = (*unpacked(*inputs[:3], arguments), output)
         key = pins = None
         if memo:
             pins = []

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from attn_doctor.tracing import store
-from attn_doctor.tracing.describe import CallDescriber, te_now
+from attn_doctor.tracing.describe import CallDescriber, packed_source, te_now, unpacked
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 ENV_OPTIONS = "ATTN_DOCTOR_CAPTURE"  # the options of `attn-doctor capture`, as JSON, for the child processes
@@ -136,6 +136,10 @@ class _Busy(threading.local):
 
 # The frame every module call runs through (absent in a torch without it: no module path, no error).
 _CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+# How far up from Recorder._where the code that called the attention function is: _where <- _record <- _call <-
+# the wrapper <- its caller. The walk for the running modules starts there (each frame above it walked through
+# is a frame object made, a few microseconds on a CPU whose caches the model's own code has filled).
+_CALLER = 4
 
 
 def _running_modules(frame: Any) -> Iterator[torch.nn.Module]:
@@ -157,8 +161,15 @@ def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
 
 
 def innermost_module(frame: Any) -> torch.nn.Module | None:
-    """The innermost module whose forward is running in this thread."""
-    return next(_running_modules(frame), None)
+    """The innermost module whose forward is running in this thread (`_running_modules`' first, without a
+    generator: this runs at each call of a function such as SDPA)."""
+    while frame is not None and _CALL_IMPL is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module):
+                return module
+        frame = frame.f_back
+    return None
 
 
 def _layer_of(path: str) -> int | None:
@@ -300,12 +311,12 @@ class Recorder:
         on the H200's host): a TE call's module is the DotProductAttention called, a function's the innermost
         running module."""
         if self._model_names is not None:
-            inner = te_module if te_module is not None else innermost_module(sys._getframe(1))
+            inner = te_module if te_module is not None else innermost_module(sys._getframe(_CALLER))
             found = self._model_names.get(id(inner))
             if found is not None:
                 return found
         self._read = None  # a call outside the model's forward: the rank and parallel layout are read again
-        stack = modules_on_stack(sys._getframe(1))
+        stack = modules_on_stack(sys._getframe(_CALLER))
         if not stack:
             return "", None
         outermost = stack[0]
@@ -345,7 +356,7 @@ class Recorder:
 
         @functools.wraps(original)
         def sdpa(*args, **kwargs):
-            bound = dict(zip(names, args)) | kwargs
+            bound = dict(zip(names, args)) | kwargs if kwargs else dict(zip(names, args))
             return self._call("torch.sdpa", original, args, kwargs, bound, ("query", "key", "value"))
 
         return sdpa
@@ -407,7 +418,6 @@ class Recorder:
         reports/h200/capture/deferred/). The price: a process killed in the middle of a forward pass loses
         that pass's calls (one that raises keeps them: the hook that writes them runs then too)."""
         path, layer = self._where(te_module)
-        rank, world, parallel = self._layout()
         with self._lock:
             index = self.calls
             self.calls += 1
@@ -417,10 +427,13 @@ class Recorder:
         step = self._step
         output = out[0] if isinstance(out, (tuple, list)) else out
         values = None
-        if self.selection.values and self.selection.wants(layer, step, rank):
-            values = self._save_values(store.values_stem(self.root, rank, os.getpid(), index), bound, qkv, output)
-        call = (api, rank, world, parallel, bound, qkv, output, te_module, None if te_module is None else te_now(),
-                index, path, layer, step, values)
+        if self.selection.values:
+            rank = self._layout()[0]
+            if self.selection.wants(layer, step, rank):
+                stem = store.values_stem(self.root, rank, os.getpid(), index)
+                values = self._save_values(stem, bound, qkv, output)
+        call = (api, bound, qkv, output, te_module, None if te_module is None else te_now(), index, path, layer, step,
+                values)
         if self._in_model and _kept_for_backward(output):
             with self._lock:
                 self._deferred.append(call)
@@ -443,15 +456,20 @@ class Recorder:
 
     def _write(self, calls: list[tuple]) -> None:
         """The calls' lines, each call's described and written before the next's, so that a signature's line
-        comes before the calls naming it."""
+        comes before the calls naming it. The process's rank and parallel layout are read here, not at each call
+        (`_layout`): the calls written together are of one forward pass, or each written at its call."""
         with self._lock:
+            rank, world, parallel = self._layout()
             if self._log is None:  # the first call: the rank is known now (torchrun sets it up after start)
-                rank = calls[0][1]
                 _write_env(store.rank_dir(self.root, rank) / "env.json")
                 self._log = store.CallLog(self.root, rank, os.getpid())
-            for call in calls:
-                for line in self._describer.lines(*call):
-                    self._log.append(line)
+            try:
+                for api, *call in calls:
+                    for line in self._describer.lines(api, rank, world, parallel, *call):
+                        self._log.append(line)
+            except BaseException:
+                self._describer.forget()  # a signature it numbered may not be in the file
+                raise
 
     def _layout(self) -> tuple[int, int, dict[str, int]]:
         """The process's rank, world size and parallel layout (`_rank_and_world`, `_parallel_sizes`), read once
@@ -464,12 +482,16 @@ class Recorder:
         return self._read[1]
 
     def _save_values(self, stem: Path, bound: dict, qkv: tuple[str, str, str], output: Any) -> str:
-        values = {name: bound[key] for name, key in zip(("q", "k", "v"), qkv)
-                  if isinstance(bound.get(key), torch.Tensor)}
+        """The call's values now, and hooks that save its gradients when the backward reaches them. A TE call's
+        q, k, v selected from a packed argument (`describe.packed_source`) are saved as q, k, v, the packed
+        argument itself is not, and their gradients are the packed argument's gradient selected the same way."""
+        given = [bound.get(key) for key in qkv]
+        source = packed_source(*given, bound)
+        values = {name: t for name, t in zip(("q", "k", "v"), unpacked(*given, bound)) if isinstance(t, torch.Tensor)}
         if isinstance(output, torch.Tensor):
             values["out"] = output
         for name, value in bound.items():  # masks and biases (integer tensors are in the metadata already)
-            if name in qkv:
+            if name in qkv or (source is not None and value is source[0]):
                 continue
             parts = {f"arg.{name}": value} if not isinstance(value, (tuple, list)) else {  # TE's (q, kv) masks
                 f"arg.{name}.{i}": part for i, part in enumerate(value)}
@@ -492,10 +514,19 @@ class Recorder:
                 store.save_values(dout_path, {"dout": gradient})
 
             output.register_hook(save_gradient)
-        for name, tensor in inputs.items():  # dQ, dK, dV as the backward computed them (compare needs them)
-            path = stem.with_name(f"{stem.name}.d{name}.safetensors")
+        paths = {name: stem.with_name(f"{stem.name}.d{name}.safetensors") for name in inputs}
+        if source is not None and source[0].requires_grad:  # a view made here is not in the graph: hook its source
+            packed, dim, names = source
 
-            def save_input_gradient(gradient: torch.Tensor, path: Path = path, name: str = name) -> None:
+            def save_packed_gradient(gradient: torch.Tensor) -> None:
+                for i, name in enumerate(names):
+                    store.save_values(paths[name], {f"d{name}": gradient.select(dim, i)})
+
+            packed.register_hook(save_packed_gradient)
+            inputs = {name: tensor for name, tensor in inputs.items() if name not in names}
+        for name, tensor in inputs.items():  # dQ, dK, dV as the backward computed them (compare needs them)
+
+            def save_input_gradient(gradient: torch.Tensor, path: Path = paths[name], name: str = name) -> None:
                 store.save_values(path, {f"d{name}": gradient})
 
             tensor.register_hook(save_input_gradient)

@@ -10,12 +10,15 @@ What each API's arguments mean here:
   the case's captured `arbitrary` mask and `post_scale_bias`; is_causal is TE's top-left `causal`.
 - flash-attn: `causal` and windows are aligned bottom-right (`causal_bottom_right` when the lengths differ);
   the varlen function's packed tensors are a thd call.
-- TE: a padding attention_mask gives the lengths (it must be right padding: TE's fused paths read only its
-  counts); an arbitrary one the captured mask; a thd call's cu_seqlens the lengths and its padded offsets each
-  sequence's slot (`captured_slots`), so the packed tensors come back token for token.
+- TE: a packed qkv_layer or kv_layer (TE >= 2.20's MultiheadAttention) is replayed as the views TE selects
+  from it (the capture records them as q, k, v: the same storage, strides and offsets), which attn-doctor's TE
+  path passes as q, k and v, TE then finding the same packed layout from their pointers; a padding
+  attention_mask gives the lengths (it must be right padding: TE's fused paths read only its counts); an
+  arbitrary one the captured mask; a thd call's cu_seqlens the lengths and its padded offsets each sequence's
+  slot (`captured_slots`), so the packed tensors come back token for token.
 Calls this cannot express are named with the reason (`case_of` returns a string): dropout, per-head masks,
-masks whose values were not captured, softcap, custom ALiBi slopes, packed qkv_layer arguments, KV caches,
-FP8 recipes other than delayed and current scaling, and tokens outside every sequence of a packed tensor.
+masks whose values were not captured, softcap, custom ALiBi slopes, KV caches, FP8 recipes other than delayed
+and current scaling, and tokens outside every sequence of a packed tensor.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
     meta = call.meta
     shapes = {name: meta["tensors"][name]["shape"] for name in ("q", "k", "v") if name in meta["tensors"]}
     if set(shapes) != {"q", "k", "v"}:
+        if meta["arguments"].get("qkv_layer") is not None or meta["arguments"].get("kv_layer") is not None:
+            return "TE's packed qkv_layer/kv_layer, captured without the views TE selects from it: capture again"
         return "q, k and v were not all tensors"
     dtype = DTYPES.get(meta["tensors"]["q"]["dtype"])
     if dtype is None:
@@ -178,8 +183,6 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
     """TE's DotProductAttention: its format, mask type (lengths from cu_seqlens, or from a padding
     attention_mask's values), window, bias, softmax type, scale and FP8 recipe."""
     args, module = call.meta["arguments"], call.meta["arguments"].get("module", {})
-    if args.get("qkv_layer") is not None or args.get("kv_layer") is not None:
-        return "packed qkv_layer/kv_layer arguments (not replayed yet)"
     if args.get("inference_params") is not None:
         return "a KV cache (inference_params: attn-doctor checks training calls)"
     if module.get("attention_dropout"):
