@@ -128,6 +128,22 @@ def test_values_over_the_budget_keep_their_metadata_and_say_why(tmp_path):
     assert all(c.values_path is None and "--max-bytes" in c.meta["values"] for c in calls[1:])
 
 
+def test_a_gradient_that_cannot_be_saved_is_said_and_the_backward_goes_on(tmp_path, monkeypatch, capfd):
+    save = store.save_values
+
+    def save_forward_only(path, tensors):
+        if any(name.startswith("d") for name in tensors):  # dout, dq, dk, dv: the disk is full by then
+            raise OSError("No space left on device")
+        return save(path, tensors)
+
+    monkeypatch.setattr(store, "save_values", save_forward_only)
+    with attn_doctor.capture(tmp_path, values=True):
+        tiny_gpt.train(steps=1, layers=2)  # its backward must complete
+    assert "a gradient not recorded (OSError: No space left on device)" in capfd.readouterr().err
+    calls = read_capture(tmp_path)
+    assert len(calls) == 2 and all(c.values_path is not None and c.dout_path is None for c in calls)
+
+
 def test_a_killed_run_leaves_a_readable_capture_of_the_calls_that_finished(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys

@@ -507,30 +507,32 @@ class Recorder:
                 return f"skipped: over the budget of {self.selection.max_bytes} bytes (--max-bytes)"
             self.value_bytes += needed
         store.save_values(stem.with_suffix(".safetensors"), values)
+        hooks: list[tuple[torch.Tensor, dict[str, tuple[Path, tuple[int, int] | None]]]] = []  # tensor, what of it
         if grad:
-            dout_path = stem.with_name(stem.name + ".dout.safetensors")
-
-            def save_gradient(gradient: torch.Tensor) -> None:  # returns nothing: the gradient is unchanged
-                store.save_values(dout_path, {"dout": gradient})
-
-            output.register_hook(save_gradient)
+            hooks.append((output, {"dout": (stem.with_name(stem.name + ".dout.safetensors"), None)}))
         paths = {name: stem.with_name(f"{stem.name}.d{name}.safetensors") for name in inputs}
         if source is not None and source[0].requires_grad:  # a view made here is not in the graph: hook its source
             packed, dim, names = source
-
-            def save_packed_gradient(gradient: torch.Tensor) -> None:
-                for i, name in enumerate(names):
-                    store.save_values(paths[name], {f"d{name}": gradient.select(dim, i)})
-
-            packed.register_hook(save_packed_gradient)
+            hooks.append((packed, {f"d{name}": (paths[name], (dim, i))
+                                   for i, name in enumerate(names) if name in paths}))
             inputs = {name: tensor for name, tensor in inputs.items() if name not in names}
-        for name, tensor in inputs.items():  # dQ, dK, dV as the backward computed them (compare needs them)
-
-            def save_input_gradient(gradient: torch.Tensor, path: Path = paths[name], name: str = name) -> None:
-                store.save_values(path, {f"d{name}": gradient})
-
-            tensor.register_hook(save_input_gradient)
+        # dQ, dK, dV as the backward computed them (compare needs them)
+        hooks += [(tensor, {f"d{name}": (paths[name], None)}) for name, tensor in inputs.items()]
+        for tensor, wanted in hooks:
+            if wanted:
+                tensor.register_hook(functools.partial(_save_gradient, wanted))
         return stem.name + ".safetensors"
+
+
+def _save_gradient(wanted: dict[str, tuple[Path, tuple[int, int] | None]], gradient: torch.Tensor) -> None:
+    """A gradient hook: saves the gradient, or the slices `wanted` names ((dim, index) of a packed argument's
+    gradient), each into its file. It returns nothing, so the gradient is unchanged; a write that fails is said
+    on stderr, never raised into the backward of the run it observes."""
+    try:
+        for name, (path, part) in wanted.items():
+            store.save_values(path, {name: gradient if part is None else gradient.select(*part)})
+    except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+        print(f"attn-doctor capture: a gradient not recorded ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def _kept_for_backward(output: Any) -> bool:
