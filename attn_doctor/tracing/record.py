@@ -161,15 +161,8 @@ def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
 
 
 def innermost_module(frame: Any) -> torch.nn.Module | None:
-    """The innermost module whose forward is running in this thread (`_running_modules`' first, without a
-    generator: this runs at each call of a function such as SDPA)."""
-    while frame is not None and _CALL_IMPL is not None:
-        if frame.f_code is _CALL_IMPL:
-            module = frame.f_locals.get("self")
-            if isinstance(module, torch.nn.Module):
-                return module
-        frame = frame.f_back
-    return None
+    """The innermost module whose forward is running in this thread."""
+    return next(_running_modules(frame), None)
 
 
 def _layer_of(path: str) -> int | None:
