@@ -393,3 +393,65 @@ def test_a_faulty_packed_cp_rank_is_named_with_its_layer(tmp_path, monkeypatch):
     assert answer.endswith("on rank 0 (cp_rank 1)"), answer
     layer, out = comparison.first_fault()
     assert out.faulty_run == 1 and dict(out.shard_e[1])["0 (cp_rank 0)"] < 1e-5  # rank 0's tokens are right
+
+
+class _PackedTE(torch.nn.Module):
+    """TE >= 2.20's DotProductAttention as a capture sees it when MultiheadAttention calls it: q, k, v None and
+    one packed [b, s, 3, h, d] qkv_layer; it computes causal attention on the views it selects."""
+
+    def __init__(self, heads: int, faulty: bool = False):
+        super().__init__()
+        self.num_attention_heads, self.num_gqa_groups, self.faulty = heads, heads, faulty
+        self.qkv_format, self.attn_mask_type, self.window_size = "bshd", "causal", None
+        self.attention_dropout, self.softmax_type, self.attention_type = 0.0, "vanilla", "self"
+
+    def forward(self, query_layer=None, key_layer=None, value_layer=None, qkv_layer=None, qkv_interleave_dim=-3):
+        q, k, v = (qkv_layer.select(qkv_interleave_dim, i).transpose(1, 2) for i in range(3))  # bhsd
+        attend = tiny_gpt.faulty_attention if self.faulty else torch.nn.functional.scaled_dot_product_attention
+        out = attend(q, k, v, is_causal=True).transpose(1, 2)
+        return out.reshape(*out.shape[:2], -1)
+
+
+def test_te_packed_qkv_layer_calls_of_tp1_and_tp2_compare_head_by_head(tmp_path, monkeypatch):
+    """The dQ, dK, dV of TE's packed calls come from the packed argument's gradient (`record._save_values`):
+    TP=2's head shards put back together are TP=1's within rounding, and a faulty shard is named."""
+    import types
+
+    from attn_doctor.tracing import record
+
+    fake = types.ModuleType("transformer_engine.pytorch")
+    fake.DotProductAttention = _PackedTE
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake)
+    monkeypatch.setattr(record, "_parallel", {})  # describe_parallel's state, restored after the test
+    heads, packed = 4, torch.randn(1, 16, 3, 4, 8, generator=torch.Generator().manual_seed(0))
+
+    class Layer(torch.nn.Module):  # every TP shard in this process, as te_model.py's simulation runs them
+        def __init__(self, tp: int, faulty_rank: int | None):
+            super().__init__()
+            self.tp = tp
+            self.attention = torch.nn.ModuleList(_PackedTE(heads // tp, r == faulty_rank) for r in range(tp))
+
+        def forward(self):
+            width = heads // self.tp
+            for tp_rank, attention in enumerate(self.attention):
+                attn_doctor.describe_parallel(tp=self.tp, tp_rank=tp_rank)
+                shard = packed[:, :, :, tp_rank * width:(tp_rank + 1) * width].clone().requires_grad_()
+                attention(qkv_layer=shard).sum().backward()
+
+    class Model(torch.nn.Module):
+        def __init__(self, tp: int, faulty_rank: int | None = None):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(tp, faulty_rank)])
+
+        def forward(self):
+            self.layers[0]()
+
+    for name, tp, faulty_rank in (("tp1", 1, None), ("tp2", 2, None), ("tp2-faulty", 2, 1)):
+        with attn_doctor.capture(tmp_path / name, values=True):
+            Model(tp, faulty_rank)()
+    for call in read_capture(tmp_path / "tp2"):  # each shard's dQ, dK, dV: its packed gradient's slices
+        assert all(call.gradient(name) is not None for name in ("dq", "dk", "dv"))
+    same = compare_captures(tmp_path / "tp1", tmp_path / "tp2").answer()
+    assert same.startswith("same within rounding"), same
+    differs = compare_captures(tmp_path / "tp1", tmp_path / "tp2-faulty").answer()
+    assert differs.startswith("differs from layer 0") and differs.endswith("on rank 0 (tp_rank 1)"), differs
