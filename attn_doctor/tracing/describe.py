@@ -131,14 +131,20 @@ def packed_source(q: Any, k: Any, v: Any,
     return packed, dim, names
 
 
+def selected_views(source: tuple[torch.Tensor, int, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """The views TE selects from a packed argument (`packed_source`), by name: the same storage, strides and
+    offsets as TE's own views."""
+    packed, dim, names = source
+    return {name: packed.select(dim, i) for i, name in enumerate(names)}
+
+
 def unpacked(q: Any, k: Any, v: Any, arguments: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """A call's q, k and v as the tensors the kernel reads: the views TE selects from a packed argument
-    (`packed_source`: the same storage, strides and offsets as TE's own views), else as passed."""
+    """A call's q, k and v as the tensors the kernel reads: the views TE selects from a packed argument, else
+    as passed."""
     source = packed_source(q, k, v, arguments)
     if source is None:
         return q, k, v
-    packed, dim, names = source
-    views = dict(zip(names, (packed.select(dim, i) for i in range(len(names)))))
+    views = selected_views(source)
     return views.get("q", q), views["k"], views["v"]
 
 

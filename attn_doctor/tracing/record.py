@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from attn_doctor.tracing import store
-from attn_doctor.tracing.describe import CallDescriber, packed_source, te_now, unpacked
+from attn_doctor.tracing.describe import CallDescriber, packed_source, selected_views, te_now
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 ENV_OPTIONS = "ATTN_DOCTOR_CAPTURE"  # the options of `attn-doctor capture`, as JSON, for the child processes
@@ -137,8 +137,8 @@ class _Busy(threading.local):
 # The frame every module call runs through (absent in a torch without it: no module path, no error).
 _CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
 # How far up from Recorder._where the code that called the attention function is: _where <- _record <- _call <-
-# the wrapper <- its caller. The walk for the running modules starts there (each frame above it walked through
-# is a frame object made, a few microseconds on a CPU whose caches the model's own code has filled).
+# the wrapper <- its caller. The walk for the running modules starts there: the capture's own frames hold no
+# module, and each frame walked through is a frame object made.
 _CALLER = 4
 
 
@@ -349,7 +349,7 @@ class Recorder:
 
         @functools.wraps(original)
         def sdpa(*args, **kwargs):
-            bound = dict(zip(names, args)) | kwargs if kwargs else dict(zip(names, args))
+            bound = dict(zip(names, args)) | kwargs
             return self._call("torch.sdpa", original, args, kwargs, bound, ("query", "key", "value"))
 
         return sdpa
@@ -478,9 +478,11 @@ class Recorder:
         """The call's values now, and hooks that save its gradients when the backward reaches them. A TE call's
         q, k, v selected from a packed argument (`describe.packed_source`) are saved as q, k, v, the packed
         argument itself is not, and their gradients are the packed argument's gradient selected the same way."""
-        given = [bound.get(key) for key in qkv]
-        source = packed_source(*given, bound)
-        values = {name: t for name, t in zip(("q", "k", "v"), unpacked(*given, bound)) if isinstance(t, torch.Tensor)}
+        given = dict(zip(("q", "k", "v"), (bound.get(key) for key in qkv)))
+        source = packed_source(*given.values(), bound)
+        if source is not None:
+            given.update(selected_views(source))
+        values = {name: t for name, t in given.items() if isinstance(t, torch.Tensor)}
         if isinstance(output, torch.Tensor):
             values["out"] = output
         for name, value in bound.items():  # masks and biases (integer tensors are in the metadata already)
