@@ -93,6 +93,50 @@ def test_a_forward_pass_under_autograd_has_its_calls_written_when_it_ends_and_ot
     assert seen == [2, 2, 6, 8, 8]
 
 
+def test_the_output_gradients_geometry_is_recorded_as_the_backward_gave_it(tmp_path, capfd):
+    """dO is the model's: the gradient of `sdpa(...).transpose(1, 2).reshape(...)` reaches SDPA as a bhsd view of
+    a bshd buffer. It is written once per call site (module path and signature), at its first backward, and read
+    back for every call of the site. A forward without gradients has none; a backward run after the capture
+    ended writes nothing (and says nothing); a process capturing twice into one folder numbers its calls (and
+    signatures) from 0 again, and each gradient goes to its own capture's calls."""
+    with attn_doctor.capture(tmp_path):
+        tiny_gpt.train(steps=2, layers=3)
+    model = torch.nn.Sequential(tiny_gpt.Block(1, 0, torch.Generator().manual_seed(0)))
+    x = torch.randn(tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.HIDDEN)
+    with attn_doctor.capture(tmp_path):
+        with torch.no_grad():
+            model(x)
+        after = model(x)
+    after.square().mean().backward()  # the capture has ended
+    calls = read_capture(tmp_path)
+    b, s, h, d = tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.HEADS, tiny_gpt.HIDDEN // tiny_gpt.HEADS
+    trained = [c for c in calls if c.meta["module"].startswith("layers.")]
+    assert len(trained) == 6 and all(c.meta["tensors"]["dout"] == {
+        "shape": [b, h, s, d], "stride": [s * h * d, d, h * d, 1], "storage_offset": 0, "dtype": "float32",
+        "device": "cpu", "storage": {"id": 0, "nbytes": b * s * h * d * 4}, "requires_grad": False}
+        for c in trained)
+    assert [("dout" in c.meta["tensors"]) for c in calls if c not in trained] == [False, False]
+    lines = (tmp_path / "rank0" / f"calls-{os.getpid()}.jsonl").read_text().splitlines()
+    assert sum('"gradient_geometry"' in line for line in lines) == 1  # one geometry, written once
+    assert sum('"gradient_of"' in line for line in lines) == 3  # once per call site: step 1's calls set no hook
+    assert "attn-doctor" not in capfd.readouterr().err
+
+
+def test_a_sites_output_gradient_is_not_read_into_a_later_captures_calls_of_the_same_site(tmp_path):
+    """A second capture into the same folder by the same process numbers its signatures from 0 again: the call
+    site ("0.attention", signature 0) of the first (trained) is not the second's (a forward without gradients)."""
+    model = torch.nn.Sequential(tiny_gpt.Block(1, 0, torch.Generator().manual_seed(0)))
+    x = torch.randn(tiny_gpt.BATCH, tiny_gpt.SEQ, tiny_gpt.HIDDEN)
+    with attn_doctor.capture(tmp_path):
+        for _ in range(2):
+            model(x).square().mean().backward()
+    with attn_doctor.capture(tmp_path), torch.no_grad():
+        model(x)
+    calls = read_capture(tmp_path)
+    assert [(c.meta["module"], "dout" in c.meta["tensors"]) for c in calls] == [("0.attention", True)] * 2 + [
+        ("0.attention", False)]
+
+
 def test_values_are_recorded_for_the_selection_only_with_the_output_gradient(tmp_path):
     with attn_doctor.capture(tmp_path, values=True, layers=[1], steps=[1]):
         tiny_gpt.train(steps=2, layers=3)
@@ -142,6 +186,20 @@ def test_a_gradient_that_cannot_be_saved_is_said_and_the_backward_goes_on(tmp_pa
     assert "a gradient not recorded (OSError: No space left on device)" in capfd.readouterr().err
     calls = read_capture(tmp_path)
     assert len(calls) == 2 and all(c.values_path is not None and c.dout_path is None for c in calls)
+
+
+def test_an_output_gradient_whose_geometry_cannot_be_written_is_said_and_the_backward_goes_on(tmp_path,
+                                                                                               monkeypatch, capfd):
+    def refuse(self, index, gradient):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("attn_doctor.tracing.describe.CallDescriber.gradient_lines", refuse)
+    plain = tiny_gpt.train(steps=1, layers=2)
+    with attn_doctor.capture(tmp_path):
+        captured = tiny_gpt.train(steps=1, layers=2)
+    assert all(torch.equal(a, b) for a, b in zip(plain, captured))
+    assert capfd.readouterr().err.count("output gradient not recorded (OSError") == 2
+    assert not any("dout" in c.meta["tensors"] for c in read_capture(tmp_path))
 
 
 def test_a_killed_run_leaves_a_readable_capture_of_the_calls_that_finished(tmp_path):

@@ -116,3 +116,18 @@ def test_each_line_is_what_a_full_description_gives_and_repeats_come_from_the_ca
     assert json.loads(late)["te"]["backend"].startswith("FusedAttention") and "fp8_recipe" not in late
     assert all(len(line) < 120 for line in memo_file.read_text().splitlines() if '"index"' in line
                and '"api"' not in line), "a call naming its signature is a short line"
+
+
+def test_an_output_gradients_geometry_is_written_once_and_again_after_forget():
+    describer = CallDescriber({"pid": 1, "started": "then"})
+    first = describer.gradient_lines(0, torch.randn(2, 4, 3).transpose(0, 1))
+    again = describer.gradient_lines(1, torch.randn(2, 4, 3).transpose(0, 1))  # same geometry, new tensor
+    other = describer.gradient_lines(2, torch.randn(4, 2, 3))
+    assert [json.loads(line) for line in first] == [
+        {"gradient_geometry": 0, "tensor": {"shape": [4, 2, 3], "stride": [3, 12, 1], "storage_offset": 0,
+                                            "dtype": "float32", "device": "cpu",
+                                            "storage": {"id": 0, "nbytes": 96}, "requires_grad": False}},
+        {"gradient_of": 0, "geometry": 0}]
+    assert again == ['{"gradient_of":1,"geometry":0}\n'] and len(other) == 2
+    describer.forget()  # its lines may not be in the file: described again, under a new number
+    assert json.loads(describer.gradient_lines(3, torch.randn(2, 4, 3).transpose(0, 1))[0])["gradient_geometry"] == 2

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import attn_doctor
 from attn_doctor.core.layouts import CAPTURED
 from attn_doctor.numerics.inputs import make_inputs
-from attn_doctor.tracing.replay import captured_views, case_of, view_geometry
+from attn_doctor.tracing.replay import captured_dout, captured_views, case_of, view_geometry
 from attn_doctor.tracing.store import load_values, read_capture
 from tests.models import tiny_gpt
 
@@ -53,6 +54,68 @@ def test_the_captured_views_come_back_with_the_same_shapes_strides_offsets_and_s
     values = load_values(call.values_path)
     assert torch.equal(qkv.q.transpose(1, 2), values["q"]) and torch.equal(x.q.transpose(1, 2), values["q"])
     assert torch.equal(x.dout.transpose(1, 2), load_values(call.dout_path)["dout"])
+
+
+def test_the_output_gradient_comes_back_with_the_geometry_the_runs_backward_gave_it(capture_dir, monkeypatch):
+    """The captured layout hands the path's backward dO as the run's did (a bhsd view of a bshd buffer here),
+    holding the same values as the reference's; without a recorded geometry, or with one whose elements share
+    memory (an expanded gradient), dO stands contiguous."""
+    call = _with_values(capture_dir)
+    case = case_of(call, capture_dir)
+    x = make_inputs(case, torch.device("cpu"))
+    dout = captured_dout(case, x.dout, "bshd")
+    captured = call.meta["tensors"]["dout"]
+    assert captured["stride"] != torch.empty(captured["shape"]).stride()  # not contiguous in the run
+    assert view_geometry(dout.transpose(1, 2)) == {  # what SDPA's transpose hands the kernel's backward
+        "shape": captured["shape"], "stride": captured["stride"], "storage_offset": captured["storage_offset"],
+        "storage_nbytes": captured["storage"]["nbytes"]}
+    assert torch.equal(dout, x.dout)
+    for geometry in (None, {**captured, "stride": [0, 0, 0, 1]}):
+        tensors = {**call.meta["tensors"], "dout": geometry} if geometry else {
+            name: t for name, t in call.meta["tensors"].items() if name != "dout"}
+        changed = type(call)(call.folder, {**call.meta, "tensors": tensors})
+        monkeypatch.setattr("attn_doctor.tracing.replay.load_call", lambda reference, changed=changed: changed)
+        assert captured_dout(case, x.dout, "bshd") is None
+
+
+class _TwoUsesOfTheOutput(torch.nn.Module):
+    """SDPA on contiguous bhsd q, k, v, twice: an output used head-major, whose gradient is contiguous bhsd (not
+    the transpose of a contiguous bshd tensor, which a replay's contiguous layout hands the backward); and one
+    used token-major, whose gradient is that transpose, strided unlike the (contiguous bhsd) output."""
+
+    def forward(self, q, k, v):
+        b, h, s, d = q.shape
+        return F.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(
+            q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h * d)
+
+
+def test_a_replayed_paths_backward_gets_the_output_gradient_laid_out_as_in_the_run(run_cli, tmp_path, monkeypatch):
+    q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
+    weight = torch.randn(2, 3, 8, 4)
+    with attn_doctor.capture(tmp_path / "cap"):
+        head_major, token_major = _TwoUsesOfTheOutput()(q, k, v)
+        ((head_major * weight).sum() + (token_major * weight.reshape(2, 8, 12)).sum()).backward()
+    calls = read_capture(tmp_path / "cap")
+    assert [(c.meta["tensors"]["out"]["stride"], c.meta["tensors"]["dout"]["stride"]) for c in calls] == [
+        ([96, 32, 4, 1], [96, 32, 4, 1]), ([96, 32, 4, 1], [96, 4, 12, 1])]
+    log = tmp_path / "dout.log"
+    monkeypatch.setenv("TINY_GPT_DOUT_LOG", str(log))
+    kernel = f"{ROOT / 'tests' / 'models' / 'tiny_gpt.py'}:dout_recording_kernel"
+    result = run_cli(["replay", tmp_path / "cap", "--kernel", f"recording={kernel}", "--device", "cpu", "--out",
+                      tmp_path / "r"])
+    assert result.exit_code == 0, result.output
+    seen = set(log.read_text().splitlines())
+    assert seen == {"[2, 3, 8, 4] [96, 32, 4, 1]", "[2, 3, 8, 4] [96, 4, 12, 1]"}  # captured, contiguous layouts
+    # the known defects beside the rows see the second call's dO in its captured layout as strided unlike out
+    from attn_doctor.cli.known import row_probe
+    from attn_doctor.machine.fingerprint import collect_env
+    from attn_doctor.results.report import read_report
+
+    report = read_report(tmp_path / "r" / "results.json")
+    env = collect_env(probe_te=False)
+    strided = sorted((row.layout, row_probe(row, env).context.dout_strided) for row in report.rows
+                     if row.backend == "recording")
+    assert strided == [(CAPTURED, False), (CAPTURED, True), ("contiguous", False), ("contiguous", False)]
 
 
 def test_replay_judges_each_distinct_call_once_and_every_path_passes(run_cli, capture_dir, tmp_path):

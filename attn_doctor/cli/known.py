@@ -17,6 +17,23 @@ if TYPE_CHECKING:
     from attn_doctor.results.row import Row
 
 
+def _replayed_dout_unlike_out(row: Row) -> bool:
+    """A replayed call's row in its captured layout, whose backward got dO strided unlike out as in the run
+    (`attn_doctor.tracing.replay.dout_unlike_out`); False for every other row, and when the capture is not
+    here to read (a report read on another machine)."""
+    from attn_doctor.core.layouts import CAPTURED
+
+    if row.layout != CAPTURED or row.case.replay is None:
+        return False
+    from attn_doctor.core.errors import BadInput
+    from attn_doctor.tracing.replay import dout_unlike_out
+
+    try:
+        return dout_unlike_out(row.case)
+    except (BadInput, OSError, KeyError, ValueError):
+        return False
+
+
 def row_probe(row: Row, env: EnvReport) -> Probe:
     """A results row as the rules read it: the case, the context its path ran in (the qkv format the rules
     are written for, what the path sets itself — TE's deterministic path is deterministic whatever the
@@ -34,6 +51,7 @@ def row_probe(row: Row, env: EnvReport) -> Probe:
         context_parallel=coords.cp > 1,
         cp_size=coords.cp,
         cp_comm_type=coords.cp_comm_type,
+        dout_strided=_replayed_dout_unlike_out(row),
         **match_context(spec),
     )
     return Probe(

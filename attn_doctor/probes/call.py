@@ -67,13 +67,16 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     seconds = {"reference": caches.case.reference_seconds, "kernel": 0.0, "compare": 0.0}
     fmt = backend.format_for(case)
     packed = layouts.packing(case) if fmt == "thd" else None
+    dout = None
     if coords.layout == layouts.CAPTURED:
-        from attn_doctor.tracing.replay import captured_views
+        from attn_doctor.tracing.replay import captured_dout, captured_views
 
         qkv = captured_views(case, inputs.q, inputs.k, inputs.v, fmt)
+        dout = captured_dout(case, inputs.dout, fmt)  # dO as the run's backward got it, when captured
     else:
         qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
-    dout = layouts.to_format(inputs.dout, fmt, packed).contiguous()
+    if dout is None:
+        dout = layouts.to_format(inputs.dout, fmt, packed).contiguous()
     valid = valid_tokens(case, device)
     masks = _row_masks(inputs, *valid, device)
     record = Repeats(repeats)

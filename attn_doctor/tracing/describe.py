@@ -326,16 +326,20 @@ class CallDescriber:
         self._numbers: dict[Hashable, tuple[int, list]] = {}  # signature key -> (its number, what its key pins)
         self._next = 0
         self._paths: dict[str, str] = {}
+        self._geometries: dict[Hashable, int] = {}  # an output gradient's geometry key -> its number
+        self._next_geometry = 0
+        self.last_signature: int | None = None  # the signature `lines` named last (None: a whole line)
 
     @property
     def signatures(self) -> int:
         return self._next
 
     def forget(self) -> None:
-        """Forgets the signatures numbered so far, so that each is described again, under a new number: for a
-        caller whose lines did not all reach the file (a signature named by a call but never written would make
-        the whole capture unreadable)."""
+        """Forgets the signatures (and output gradients' geometries) numbered so far, so that each is described
+        again, under a new number: for a caller whose lines did not all reach the file (a signature named by a
+        call but never written would make the whole capture unreadable)."""
         self._numbers.clear()
+        self._geometries.clear()
 
     def lines(self, api: str, rank: int, world_size: int, parallel: dict[str, int], bound: dict[str, Any],
               qkv: tuple[str, str, str], output: Any, te_module: Any, te_state: tuple | None, index: int,
@@ -359,6 +363,7 @@ class CallDescriber:
             except (Unkeyable, TypeError):  # TypeError: an unhashable value in TE's state or settings
                 key = known = None
             if known is not None:
+                self.last_signature = known[0]
                 return [f'{self._head(index, module_path, layer, step, values)},"signature":{known[0]}}}\n']
         storages: dict[int, int] = {}
         whole = {"api": api, "process": self.process, "rank": rank, "world_size": world_size, "parallel": parallel,
@@ -369,6 +374,7 @@ class CallDescriber:
             whole["te"] = te_choice(te_state[0], self.te_reasons)
         text = json.dumps(whole, separators=(",", ":"))
         head = self._head(index, module_path, layer, step, values)
+        self.last_signature = None
         if key is None:
             return [f"{head},{text[1:]}\n"]
         if len(self._numbers) >= self.LIMIT:
@@ -376,7 +382,27 @@ class CallDescriber:
         number = self._next
         self._next += 1
         self._numbers[key] = number, pins
+        self.last_signature = number
         return [f'{{"signature":{number},{text[1:]}\n', f'{head},"signature":{number}}}\n']
+
+    def gradient_lines(self, index: int, gradient: torch.Tensor) -> list[str]:
+        """The lines saying the geometry of the output gradient (dO) the backward gave call `index` (shape,
+        dtype, strides, storage offset and storage size, as for the call's own tensors), in order: the
+        geometry's line when it is new (numbered in a series of its own, like signatures), then a line naming
+        it. A model's dO has a few geometries (often a view that is not contiguous: the gradient of
+        `out.transpose(1, 2).reshape(...)`), written once each."""
+        key = tensor_key(gradient, {})
+        number = self._geometries.get(key)
+        lines = []
+        if number is None:
+            if len(self._geometries) >= self.LIMIT:
+                self._geometries.clear()
+            number = self._geometries[key] = self._next_geometry
+            self._next_geometry += 1
+            meta = json.dumps(tensor_meta(gradient, {}), separators=(",", ":"))
+            lines.append(f'{{"gradient_geometry":{number},"tensor":{meta}}}\n')
+        lines.append(f'{{"gradient_of":{index},"geometry":{number}}}\n')
+        return lines
 
     def _key(self, api: str, rank: int, world_size: int, parallel: dict[str, int], arguments: dict[str, Any],
              inputs: tuple, te_module: Any, te_state: tuple | None, pins: list) -> Hashable:

@@ -11,8 +11,11 @@ per call signature): every tensor's shape, dtype, strides, storage offset and st
 storage share its id, so packed q/k/v views replay as packed), the call's arguments (small integer tensors such
 as cu_seqlens with their values), what TE chose (its backend, sub-backend and layout, read back from TE, and
 TE's own reasons: the lines its debug log gives), FP8 state, the process rank and parallel sizes, the module
-path and layer number, the forward-pass (step) number and the call's index. A call made inside another captured
-call (e.g. SDPA under a wrapper) is not recorded twice.
+path and layer number, the forward-pass (step) number and the call's index; and, when the backward first
+reaches a call site's output, its gradient's (dO's) geometry, through a tensor hook that returns nothing
+(`Recorder._gradient_seen`; dO's layout is the model's: the gradient of `out.transpose(1, 2).reshape(...)` is a
+view that is not contiguous). A call made inside another captured call (e.g. SDPA under a wrapper) is not
+recorded twice.
 
 Values (`values=True`) are recorded for the selected layers, steps and ranks only, within `max_bytes` per
 process: q, k, v, out and the masks after the forward; the output gradient and dQ, dK, dV when the backward
@@ -234,6 +237,7 @@ class Recorder:
         self._read: tuple[tuple[int, int], tuple[int, int, dict[str, int]]] | None = None  # what _layout read
         self._in_model = 0  # the model's forward passes running: its pre-hook counts them in, its hook out
         self._deferred: list[tuple] = []  # calls to describe when the model's forward pass ends (`_record`)
+        self._dout_sites: set[tuple[str, int]] = set()  # (module path, signature) whose dO geometry is written
 
     # -- starting and stopping --
 
@@ -276,6 +280,7 @@ class Recorder:
         self._log = None
         self._deferred = []  # the parent's calls
         self._describer = CallDescriber(_this_process())
+        self._dout_sites = set()  # the parent's signature numbers
 
     def _wrap_attribute(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
         original = getattr(owner, name, None)
@@ -456,13 +461,51 @@ class Recorder:
             if self._log is None:  # the first call: the rank is known now (torchrun sets it up after start)
                 _write_env(store.rank_dir(self.root, rank) / "env.json")
                 self._log = store.CallLog(self.root, rank, os.getpid())
+            describer = self._describer
+            hooked = []  # (output, index, site) of the calls whose output gradient is to be described
             try:
                 for api, *call in calls:
-                    for line in self._describer.lines(api, rank, world, parallel, *call):
+                    for line in describer.lines(api, rank, world, parallel, *call):
                         self._log.append(line)
+                    output, index, site = call[2], call[5], (call[6], describer.last_signature)
+                    if isinstance(output, torch.Tensor) and output.requires_grad and site not in self._dout_sites:
+                        hooked.append((output, index, site))
             except BaseException:
-                self._describer.forget()  # a signature it numbered may not be in the file
+                describer.forget()  # a signature it numbered may not be in the file
                 raise
+        for output, index, site in hooked:
+            try:
+                output.register_hook(functools.partial(self._gradient_seen, describer, index, site))
+            except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+                print(f"attn-doctor capture: call {index}'s output gradient will not be recorded "
+                      f"({type(exc).__name__}: {exc})", file=sys.stderr)
+
+    def _gradient_seen(self, describer: CallDescriber, index: int, site: tuple[str, int | None],
+                       gradient: torch.Tensor) -> None:
+        """A hook on a written call's output, run when the backward reaches it: the geometry of the output
+        gradient the attention's backward gets (`CallDescriber.gradient_lines`), once per call *site* (module
+        path and signature). dO's layout is set by the model's code after the call, which a site runs again at
+        every step: a hook at every call cost the launch-bound SDPA stack's step 4-5% on the H200 (Python in
+        the autograd thread's GIL-free backward), so later calls of a described site set none, and the reader
+        gives them the site's geometry (`store.read_calls`). A call named by no signature is hooked each time.
+        It returns nothing, so the gradient is unchanged; a failure is said on stderr, never raised into the
+        backward. Nothing is written once the capture has ended, or in a forked child (whose describer is
+        another: the call is the parent's)."""
+        try:
+            with self._lock:
+                if self._log is None or describer is not self._describer:
+                    return
+                try:
+                    for line in describer.gradient_lines(index, gradient):
+                        self._log.append(line)
+                except BaseException:
+                    describer.forget()
+                    raise
+                if site[1] is not None:
+                    self._dout_sites.add(site)
+        except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+            print(f"attn-doctor capture: call {index}'s output gradient not recorded ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
 
     def _layout(self) -> tuple[int, int, dict[str, int]]:
         """The process's rank, world size and parallel layout (`_rank_and_world`, `_parallel_sizes`), read once

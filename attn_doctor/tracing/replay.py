@@ -482,6 +482,47 @@ def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return QKV(*views, leaves=tuple(leaves.values()))
 
 
+def captured_dout(case: Case, dout: torch.Tensor, fmt: str) -> torch.Tensor | None:
+    """The output gradient (`dout`: bshd values) as a view with the geometry the call's backward got in the run
+    (the captured dO's shape, strides and storage offset, into a storage of its captured size), presented in
+    `fmt` as `captured_views` presents q, k, v: the path's backward then reads it as the run's kernel did (a dO
+    whose layout differs from out's is a known way to get wrong gradients). None when the capture has no dO
+    geometry (no backward reached the call, or an older capture) or one that cannot hold these values (an
+    expanded dO, whose elements share memory, holds one value per broadcast row), and for thd calls: their dO
+    stands contiguous."""
+    call = load_call(case.replay)
+    meta = call.meta["tensors"].get("dout")
+    native = native_format(call)
+    dtype = TORCH_DTYPES[case.dtype]
+    if meta is None or native == "thd" or meta["dtype"] != str(dtype).removeprefix("torch."):
+        return None
+    values = dout.permute(0, 2, 1, 3) if native == "bhsd" else layouts.to_format(dout, native)
+    element = torch.empty((), dtype=dtype).element_size()
+    storage = torch.zeros(meta["storage"]["nbytes"] // element, dtype=dtype, device=dout.device)
+    try:
+        view = storage.as_strided(meta["shape"], meta["stride"], meta["storage_offset"])
+        if view.dim() == values.dim() - 1:  # TE's heads flattened, [b, s, h*d]: split as its backward does
+            view = view.unflatten(-1, values.shape[-2:])
+        if view.shape != values.shape:
+            return None
+        view.copy_(values)
+    except RuntimeError:  # outside its storage, or elements sharing memory (the expanded gradient of a sum),
+        return None  # which cannot hold these values
+    return view.transpose(1, 2) if native == "bhsd" else view
+
+
+def dout_unlike_out(case: Case) -> bool:
+    """Whether the captured layout hands the call's backward a dO strided unlike its out (`captured_dout`): the
+    condition of known defects (a kernel reading dO with O's strides). Dims of size 1 have no stride that counts;
+    an expanded dO (a zero stride) stands contiguous in a replay, so it is not."""
+    call = load_call(case.replay)
+    dout, out = call.meta["tensors"].get("dout"), call.meta["tensors"].get("out")
+    if dout is None or out is None or native_format(call) == "thd" or dout["shape"] != out["shape"]:
+        return False
+    counted = [(a, b) for size, a, b in zip(dout["shape"], dout["stride"], out["stride"]) if size > 1]
+    return all(a != 0 for a, _ in counted) and any(a != b for a, b in counted)
+
+
 def view_geometry(t: torch.Tensor) -> dict[str, Any]:
     """What replay promises to reproduce of a captured tensor (compare with its metadata)."""
     return {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),

@@ -3,7 +3,8 @@
     DIR/capture.json                          what was asked (selection, budget) and when
     DIR/rank<R>/env.json                      the environment fingerprint of rank R's process
     DIR/rank<R>/calls-<PID>.jsonl             the attention calls of process PID: a line per call, naming
-                                              the line above that holds the rest of its metadata (a signature)
+                                              the line above that holds the rest of its metadata (a signature);
+                                              and a line per output gradient, naming its geometry's line
     DIR/rank<R>/<PID>-call-<NNNNNN>.safetensors        its q, k, v, out (and masks) values, when selected
     DIR/rank<R>/<PID>-call-<NNNNNN>.dout.safetensors   its output gradient, once the backward reached it
     DIR/rank<R>/<PID>-call-<NNNNNN>.d{q,k,v}.safetensors  its input gradients, likewise
@@ -34,7 +35,7 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.results.files import write_atomic, write_atomic_bytes
 
 FORMAT = "attn-doctor/capture"
-FORMAT_VERSION = 2  # 2: a signature's line per distinct call, a short line per call naming it
+FORMAT_VERSION = 3  # 2: a signature's line per distinct call, a short line per call naming it; 3: dO's geometry
 HEADER = "capture.json"
 
 
@@ -197,22 +198,43 @@ def read_capture(root: Path) -> list[CapturedCall]:
 
 def read_calls(path: Path) -> list[dict[str, Any]]:
     """The calls of one calls file, each as one document: a call's line with the signature it names (the
-    latest line defining that number above it) merged in. Bad input when a line is not JSON or names a
-    signature no line above defines."""
+    latest line defining that number above it) merged in, and its output gradient's geometry as the tensor
+    `dout`: the geometry a line below gave for it (written when the backward reached the call), else the one
+    given above for its call site, the same module path and signature (a site's dO is written once). Bad input
+    when a line is not JSON or names a signature (or geometry) no line above defines."""
     lines = Path(path).read_bytes().split(b"\n")
     lines.pop()  # b"" after the last newline, or what a killed run left: a cut-off line, unused NUL bytes
     signatures: dict[int, dict[str, Any]] = {}
+    geometries: dict[int, dict[str, Any]] = {}
+    latest: dict[int, tuple[dict[str, Any], tuple]] = {}  # call index -> the latest call above with it, its site
+    # (a process's later capture into the same folder appends to its file, numbering its calls from 0 again)
+    sites: dict[tuple, dict[str, Any]] = {}  # (module path, signature) -> its dO's geometry, once written
     calls = []
     for number, line in enumerate(lines, start=1):
         try:
             document = json.loads(line)
+            if "gradient_of" in document:  # after its call's line: the hook that writes it is set then
+                call, site = latest.get(document["gradient_of"], (None, None))
+                if call is not None and "dout" not in call["tensors"]:  # a copy: a signature's calls share its dict
+                    call["tensors"] = {**call["tensors"], "dout": geometries[document["geometry"]]}
+                    if site[1] is not None:
+                        sites[site] = call["tensors"]["dout"]
+                continue
+            if "gradient_geometry" in document:
+                geometries[document["gradient_geometry"]] = document["tensor"]
+                continue
             if "index" not in document:  # a signature: the part of its calls' description they share
-                signatures[document.pop("signature")] = document
+                defined = signatures[document.pop("signature")] = document
+                sites = {site: dout for site, dout in sites.items() if signatures.get(site[1]) is not defined}
                 continue
             named = document.pop("signature", None)
             if named is not None:
                 document.update(signatures[named])
+            site = (document["module"], named)
+            if site in sites:  # the site's dO, written once (`Recorder._gradient_seen`)
+                document["tensors"] = {**document["tensors"], "dout": sites[site]}
         except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError, KeyError):
             raise BadInput(f"{path}:{number} is not a captured call; the capture is damaged") from None
         calls.append(document)
+        latest[document["index"]] = document, site
     return calls

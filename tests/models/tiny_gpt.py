@@ -42,6 +42,21 @@ def faulty_kernel(q, k, v, *, causal, softmax_scale):
     return out.transpose(1, 2)
 
 
+def dout_recording_kernel(q, k, v, *, causal, softmax_scale):
+    """A correct --kernel (bshd tensors) that appends the shape and strides of the output gradient its backward
+    gets to the file $TINY_GPT_DOUT_LOG, a line each."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         scale=softmax_scale)
+    log = os.environ.get("TINY_GPT_DOUT_LOG")
+    if log and out.requires_grad:
+        def note(gradient):
+            with open(log, "a") as lines:
+                lines.write(f"{list(gradient.shape)} {list(gradient.stride())}\n")
+
+        out.register_hook(note)
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, tp: int, rank: int, generator: torch.Generator, faulty: bool = False):
         super().__init__()
