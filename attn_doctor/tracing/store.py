@@ -218,7 +218,7 @@ def read_calls(path: Path) -> list[dict[str, Any]]:
                 if call is not None and "dout" not in call["tensors"]:  # a copy: a signature's calls share its dict
                     call["tensors"] = {**call["tensors"], "dout": geometries[document["geometry"]]}
                     if site[1] is not None:
-                        sites[site] = call["tensors"]["dout"]
+                        sites.setdefault(site, call["tensors"]["dout"])
                 continue
             if "gradient_geometry" in document:
                 geometries[document["gradient_geometry"]] = document["tensor"]
