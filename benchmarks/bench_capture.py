@@ -2,8 +2,8 @@
 (metadata only, and with values of one layer). Goal (issue 17): metadata-only capture costs under 5% of the
 step time.
 
-Two measures, because a shared machine's step time drifts by more than the capture costs (10-20% between runs
-on the H200's host):
+Several measures, because a shared machine's step time drifts by more than the capture costs (10-20% between
+runs on the H200's host):
 - the step time, paired: each captured mode against plain in short blocks, in turn, for many rounds (the order
   reversed every other round), each block one capture over several steps as a user runs it (its first step,
   which writes the fingerprint, not timed). A block's time is the median of its steps; the overhead is the
@@ -19,10 +19,14 @@ on the H200's host):
   the kernels; where the CPU launching kernels bounds it, it shows in full, and the code after each captured
   call runs slower too, on caches the capture's code displaced (on a 1 ms CPU step of this development machine
   the forward grew by about twice the own time).
+- with `--paired-steps N`, the metadata-only capture's step time paired step by step (`steps_paired`): N pairs
+  of steps in one open capture, the attention function swapped between the capture's wrapper and the original.
+  The sharpest of the measures (blocks scatter by ±5% between rounds on the H200's host), though it leaves out
+  a capture's start and its model-level hooks.
 
     python benchmarks/bench_capture.py [--layers 8] [--hidden 512] [--seq 512] [--batch 4] [--rounds 10]
         [--steps 5] [--attention sdpa|te|te-layer] [--device cpu|cuda] [--dtype fp32|bf16]
-        [--modes metadata,values]
+        [--modes metadata,values] [--paired-steps N]
 
 On a GPU each step ends with a synchronisation, so a step's time is the GPU's.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -113,6 +118,10 @@ def main() -> None:
     parser.add_argument("--modes", default="metadata,values",
                         help="the captured modes to measure, comma-separated: metadata (metadata only), values "
                              "(and the values of layer 0)")
+    parser.add_argument("--paired-steps", type=int, default=0, metavar="N",
+                        help="also measure the metadata-only capture step by step: N pairs of steps in one open "
+                             "capture, the attention function swapped between the capture's wrapper and the "
+                             "original before each step (`steps_paired`)")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -128,6 +137,7 @@ def main() -> None:
         step(model, x)  # the first step of all: kernels chosen and compiled
         results = {mode: paired_blocks(model, x, Path(tmp) / str(i), options, args.rounds, args.steps)
                    for i, (mode, options) in enumerate(captured.items())}
+        by_step = steps_paired(model, x, Path(tmp) / "steps", args.attention, args.paired_steps)
     machine = platform.processor() or platform.machine()
     if x.is_cuda:
         machine += f", {torch.cuda.get_device_name()}"
@@ -147,6 +157,14 @@ def main() -> None:
               f"{100 * cpu_high:+.1f}%)")
         print(f"    capture's own time {own * 1e3:.2f} ms/step = {100 * own / plain:.1f}% of the plain step; "
               f"{own / calls * 1e6:.0f} us per call ({calls} calls per step)")
+    if by_step:
+        relative = [captured / alone - 1 for alone, captured in by_step]
+        random.seed(0)
+        medians = sorted(statistics.median(random.choices(relative, k=len(relative))) for _ in range(2000))
+        plain = statistics.median(alone for alone, _ in by_step)
+        print(f"  metadata only, {len(by_step)} steps paired: plain {plain * 1e3:.1f} ms/step, step time "
+              f"{100 * statistics.median(relative):+.1f}% (95% interval of the median {100 * medians[50]:+.1f}% to "
+              f"{100 * medians[-51]:+.1f}%)")
 
 
 @dataclass
@@ -157,6 +175,40 @@ class Round:
     captured_cpu: float  # the same, captured
     own: float  # the capture's own time per step, s
     calls: int  # calls recorded per step
+
+
+def steps_paired(model, x, root: Path, attention: str, pairs: int) -> list[tuple[float, float]]:
+    """(plain, captured) step times of `pairs` pairs of steps in one metadata-only capture: before each step the
+    attention function is the capture's wrapper or the original, in random order within the pair. Host drift,
+    which makes blocks of steps differ by 5-10% on the H200's host, cancels within a pair (a 95% interval of
+    about ±1% from 300 pairs there). What it leaves out: a capture's start and first step, and the model-level
+    hooks the capture sets, which stay for both (microseconds per step)."""
+    if not pairs:
+        return []
+    if attention == "sdpa":
+        owner, name = F, "scaled_dot_product_attention"
+    else:
+        import transformer_engine.pytorch as te
+
+        owner, name = te.DotProductAttention, "forward"
+    rng = random.Random(0)
+    measured = []
+    with attn_doctor.capture(root):
+        wrapped = getattr(owner, name)
+        try:
+            for _ in range(3):  # the fingerprint, the model's names, every signature
+                step(model, x)
+            for _ in range(pairs):
+                times = {}
+                for captured in rng.sample((False, True), 2):
+                    setattr(owner, name, wrapped if captured else wrapped._attn_doctor_original)
+                    start = time.perf_counter()
+                    step(model, x)
+                    times[captured] = time.perf_counter() - start
+                measured.append((times[False], times[True]))
+        finally:
+            setattr(owner, name, wrapped)  # the capture's stop puts the original back
+    return measured
 
 
 def paired_blocks(model, x, root: Path, options: dict, rounds: int, steps: int) -> list[Round]:
