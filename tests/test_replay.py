@@ -63,7 +63,7 @@ def test_the_output_gradient_comes_back_with_the_geometry_the_runs_backward_gave
     call = _with_values(capture_dir)
     case = case_of(call, capture_dir)
     x = make_inputs(case, torch.device("cpu"))
-    dout = captured_dout(case, x.dout, "bshd")
+    dout = captured_dout(case, x.dout)
     captured = call.meta["tensors"]["dout"]
     assert captured["stride"] != torch.empty(captured["shape"]).stride()  # not contiguous in the run
     assert view_geometry(dout.transpose(1, 2)) == {  # what SDPA's transpose hands the kernel's backward
@@ -75,7 +75,7 @@ def test_the_output_gradient_comes_back_with_the_geometry_the_runs_backward_gave
             name: t for name, t in call.meta["tensors"].items() if name != "dout"}
         changed = type(call)(call.folder, {**call.meta, "tensors": tensors})
         monkeypatch.setattr("attn_doctor.tracing.replay.load_call", lambda reference, changed=changed: changed)
-        assert captured_dout(case, x.dout, "bshd") is None
+        assert captured_dout(case, x.dout) is None
 
 
 class _TwoUsesOfTheOutput(torch.nn.Module):

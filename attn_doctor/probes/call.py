@@ -72,7 +72,7 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
         from attn_doctor.tracing.replay import captured_dout, captured_views
 
         qkv = captured_views(case, inputs.q, inputs.k, inputs.v, fmt)
-        dout = captured_dout(case, inputs.dout, fmt)  # dO as the run's backward got it, when captured
+        dout = captured_dout(case, inputs.dout)  # dO as the run's backward got it, when captured
     else:
         qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
     if dout is None:

@@ -482,11 +482,11 @@ def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return QKV(*views, leaves=tuple(leaves.values()))
 
 
-def captured_dout(case: Case, dout: torch.Tensor, fmt: str) -> torch.Tensor | None:
+def captured_dout(case: Case, dout: torch.Tensor) -> torch.Tensor | None:
     """The output gradient (`dout`: bshd values) as a view with the geometry the call's backward got in the run
-    (the captured dO's shape, strides and storage offset, into a storage of its captured size), presented in
-    `fmt` as `captured_views` presents q, k, v: the path's backward then reads it as the run's kernel did (a dO
-    whose layout differs from out's is a known way to get wrong gradients). None when the capture has no dO
+    (the captured dO's shape, strides and storage offset, into a storage of its captured size), presented in the
+    format `captured_views` presents q, k, v in: the path's backward then reads it as the run's kernel did (a
+    dO whose layout differs from out's is a known way to get wrong gradients). None when the capture has no dO
     geometry (no backward reached the call, or an older capture) or one that cannot hold these values (an
     expanded dO, whose elements share memory, holds one value per broadcast row), and for thd calls: their dO
     stands contiguous."""

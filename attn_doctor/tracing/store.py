@@ -230,7 +230,7 @@ def read_calls(path: Path) -> list[dict[str, Any]]:
             named = document.pop("signature", None)
             if named is not None:
                 document.update(signatures[named])
-            site = (document["module"], named)
+            site = (document.get("module"), named)
             if site in sites:  # the site's dO, written once (`Recorder._gradient_seen`)
                 document["tensors"] = {**document["tensors"], "dout": sites[site]}
         except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError, KeyError):
