@@ -22,11 +22,11 @@ runs on the H200's host):
 - with `--paired-steps N`, the metadata-only capture's step time paired step by step (`steps_paired`): N pairs
   of steps in one open capture, the attention function swapped between the capture's wrapper and the original.
   The sharpest of the measures (blocks scatter by ±5% between rounds on the H200's host), though it leaves out
-  a capture's start and its model-level hooks.
+  a capture's start and its model-level hooks. `--rounds 0` runs it alone.
 
     python benchmarks/bench_capture.py [--layers 8] [--hidden 512] [--seq 512] [--batch 4] [--rounds 10]
         [--steps 5] [--attention sdpa|te|te-layer] [--device cpu|cuda] [--dtype fp32|bf16]
-        [--modes metadata,values] [--paired-steps N]
+        [--modes metadata,values] [--paired-steps N] [--optimizer none|adamw]
 
 On a GPU each step ends with a synchronisation, so a step's time is the GPU's.
 """
@@ -88,9 +88,11 @@ def make_layer(hidden: int, heads: int, attention: str) -> torch.nn.Module:
                                hidden_dropout=0.0, attn_input_format="bshd")
 
 
-def step(model, x) -> None:
+def step(model, x, optimizer: torch.optim.Optimizer | None = None) -> None:
     model.zero_grad(set_to_none=True)
     model(x).float().square().mean().backward()
+    if optimizer is not None:
+        optimizer.step()
     if x.is_cuda:
         torch.cuda.synchronize()
 
@@ -107,7 +109,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10, help="rounds of blocks; 0: no blocks (with --paired-steps)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--attention", choices=("sdpa", "te", "te-layer"), default="sdpa",
                         help="te: TE's DotProductAttention in this bench's block, called with q, k, v alone; "
@@ -118,6 +120,10 @@ def main() -> None:
     parser.add_argument("--modes", default="metadata,values",
                         help="the captured modes to measure, comma-separated: metadata (metadata only), values "
                              "(and the values of layer 0)")
+    parser.add_argument("--optimizer", choices=("none", "adamw"), default="none",
+                        help="adamw: each step also takes an AdamW step (torch's default implementation), as a "
+                             "training step does; none: forward and backward only, where the capture's share of "
+                             "the step is largest")
     parser.add_argument("--paired-steps", type=int, default=0, metavar="N",
                         help="also measure the metadata-only capture step by step: N pairs of steps in one open "
                              "capture, the attention function swapped between the capture's wrapper and the "
@@ -128,22 +134,24 @@ def main() -> None:
     model = torch.nn.Sequential(*[make_layer(args.hidden, args.heads, args.attention) for _ in range(args.layers)])
     model = model.to(args.device, dtype)
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device, dtype=dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if args.optimizer == "adamw" else None
     modes = {"metadata": ("metadata only", {}), "values": ("values, one layer", {"values": True, "layers": [0]})}
     chosen = args.modes.split(",")
     if not chosen or not set(chosen) <= set(modes):
         parser.error(f"--modes: a comma-separated list of {', '.join(modes)}")
     captured = dict(modes[mode] for mode in chosen)
     with tempfile.TemporaryDirectory() as tmp:
-        step(model, x)  # the first step of all: kernels chosen and compiled
-        results = {mode: paired_blocks(model, x, Path(tmp) / str(i), options, args.rounds, args.steps)
-                   for i, (mode, options) in enumerate(captured.items())}
-        by_step = steps_paired(model, x, Path(tmp) / "steps", args.attention, args.paired_steps)
+        step(model, x, optimizer)  # the first step of all: kernels chosen and compiled
+        results = {mode: paired_blocks(model, x, optimizer, Path(tmp) / str(i), options, args.rounds, args.steps)
+                   for i, (mode, options) in enumerate(captured.items()) if args.rounds > 0}
+        by_step = steps_paired(model, x, optimizer, Path(tmp) / "steps", args.attention, args.paired_steps)
     machine = platform.processor() or platform.machine()
     if x.is_cuda:
         machine += f", {torch.cuda.get_device_name()}"
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {machine}, "
           f"{torch.get_num_threads()} threads; {args.attention} attention, {args.dtype}, {args.layers} layers, "
-          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}; {args.rounds} rounds of {args.steps} steps")
+          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, optimizer {args.optimizer}; "
+          f"{args.rounds} rounds of {args.steps} steps")
     for mode, blocks in results.items():
         plain = statistics.median(block.plain for block in blocks)
         ours = statistics.median(block.captured for block in blocks)
@@ -177,7 +185,7 @@ class Round:
     calls: int  # calls recorded per step
 
 
-def steps_paired(model, x, root: Path, attention: str, pairs: int) -> list[tuple[float, float]]:
+def steps_paired(model, x, optimizer, root: Path, attention: str, pairs: int) -> list[tuple[float, float]]:
     """(plain, captured) step times of `pairs` pairs of steps in one metadata-only capture: before each step the
     attention function is the capture's wrapper or the original, in random order within the pair. Host drift,
     which makes blocks of steps differ by 5-10% on the H200's host, cancels within a pair (a 95% interval of
@@ -197,13 +205,13 @@ def steps_paired(model, x, root: Path, attention: str, pairs: int) -> list[tuple
         wrapped = getattr(owner, name)
         try:
             for _ in range(3):  # the fingerprint, the model's names, every signature
-                step(model, x)
+                step(model, x, optimizer)
             for _ in range(pairs):
                 times = {}
                 for captured in rng.sample((False, True), 2):
                     setattr(owner, name, wrapped if captured else wrapped._attn_doctor_original)
                     start = time.perf_counter()
-                    step(model, x)
+                    step(model, x, optimizer)
                     times[captured] = time.perf_counter() - start
                 measured.append((times[False], times[True]))
         finally:
@@ -211,27 +219,29 @@ def steps_paired(model, x, root: Path, attention: str, pairs: int) -> list[tuple
     return measured
 
 
-def paired_blocks(model, x, root: Path, options: dict, rounds: int, steps: int) -> list[Round]:
+def paired_blocks(model, x, optimizer, root: Path, options: dict, rounds: int, steps: int) -> list[Round]:
     """`rounds` pairs of blocks of `steps` timed steps, plain and captured, in turn."""
     measured = []
     for round_ in range(rounds):
-        blocks = {captured: timed_block(model, x, root / str(round_) if captured else None, options, steps)
+        blocks = {captured: timed_block(model, x, optimizer, root / str(round_) if captured else None, options,
+                                        steps)
                   for captured in ((False, True) if round_ % 2 == 0 else (True, False))}
         (plain, plain_cpu, _, _), (captured, captured_cpu, own, calls) = blocks[False], blocks[True]
         measured.append(Round(plain, captured, plain_cpu, captured_cpu, own, calls))
     return measured
 
 
-def timed_block(model, x, root: Path | None, options: dict, steps: int) -> tuple[float, float, float, int]:
+def timed_block(model, x, optimizer, root: Path | None, options: dict,
+                steps: int) -> tuple[float, float, float, int]:
     """The median step time and CPU time of `steps` steps, plain (`root` None) or in one capture into `root`,
     and the capture's own time and calls per step (0 when plain)."""
     with attn_doctor.capture(root, **options) if root is not None else contextlib.nullcontext() as recorder:
-        step(model, x)  # not timed: a capture's first call writes the fingerprint
+        step(model, x, optimizer)  # not timed: a capture's first call writes the fingerprint
         own, calls = (recorder.seconds, recorder.calls) if recorder is not None else (0.0, 0)
         times, cpu = [], []
         for _ in range(steps):
             start, start_cpu = time.perf_counter(), time.process_time()
-            step(model, x)
+            step(model, x, optimizer)
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
         if recorder is not None:
