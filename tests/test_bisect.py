@@ -49,7 +49,7 @@ def _necessary(result) -> dict[str, tuple]:
 
 
 def _gqa(config: Coords) -> bool:
-    return config.case.num_kv_heads < config.case.heads
+    return config.case.kv_heads < config.case.heads
 
 
 def four_conditions(config: Coords) -> bool:
@@ -168,7 +168,7 @@ def test_engine_tp_condition_keeps_heads_divisible():
     assert _necessary(result) == {"tp": (2, "1")}
     assert result.minimal.tp == 2 and result.minimal.layout == "contiguous"
     assert all(valid_config(c) for c in calls)
-    assert all(c.case.heads % c.tp == 0 and c.case.num_kv_heads % c.tp == 0 for c in calls)
+    assert all(c.case.heads % c.tp == 0 and c.case.kv_heads % c.tp == 0 for c in calls)
 
 
 def test_engine_categorical_values_toward_the_plainest_dtype():

@@ -53,7 +53,7 @@ def _digest(tensors) -> str:
 
 def _scores(case: Case, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """softmax's input, float64, [b, h, s, s_kv] (no mask: the tests' cases are mask none)."""
-    group = case.heads // case.num_kv_heads
+    group = case.heads // case.kv_heads
     return torch.einsum("bshd,bthd->bhst", q.double(), k.double().repeat_interleave(group, dim=2)) * case.softmax_scale
 
 
@@ -191,7 +191,7 @@ def test_structured_is_low_rank_with_nearly_equal_keys():
     # dQ = scale Σ_j dS_ij k_j with Σ_j dS_ij = 0: the keys' shared part cancels, so dQ is much smaller than
     # the terms it sums
     qd, kd, vd, dout = (t.double().requires_grad_() for t in _tensors(case))
-    group = case.heads // case.num_kv_heads
+    group = case.heads // case.kv_heads
     probs = torch.softmax(_scores(case, qd, kd), dim=-1)
     out = torch.einsum("bhst,bthd->bshd", probs, vd.repeat_interleave(group, dim=2))
     dq, = torch.autograd.grad(out, qd, dout)

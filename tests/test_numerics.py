@@ -421,7 +421,7 @@ def test_nan_in_one_dk_head_fails_on_dk(faulty_outcome):
     for row in _rows_of(rows, "nan_one_head_dk"):
         assert _verdicts(row) == {"out": PASS, "dq": PASS, "dk": FAIL, "dv": PASS}, row.layout
         case = row.case
-        assert row.tensors["dk"].nan == case.batch * case.seq_k * case.head_dim  # exactly one kv head
+        assert row.tensors["dk"].nan == case.batch * case.seq_kv * case.head_dim  # exactly one kv head
         assert "NaN" in row.reason and row.reason.startswith("dk:")
     (entry,) = [f for f in faulty if f.backend == "nan_one_head_dk"]
     assert entry.tensors == ("dk",)

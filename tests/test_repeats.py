@@ -266,7 +266,7 @@ def test_the_memory_estimate_counts_the_first_repeats_copy():
     calls = plan_calls(case, specs, ["contiguous"])
     once, thrice = estimate(calls, "cpu"), estimate(calls, "cpu", repeats=3)
     q = case.batch * case.seq * case.heads * case.head_dim
-    kv = case.batch * case.seq_k * case.num_kv_heads * case.head_dim
+    kv = case.batch * case.seq_kv * case.kv_heads * case.head_dim
     copy = (2 * q + 2 * kv) * DTYPE_BYTES[case.dtype]
     assert thrice.total - once.total == pytest.approx(2 * copy, rel=0.01)  # both families keep one copy
     shards = plan_tp(case, specs, [2])

@@ -286,7 +286,7 @@ def test_flash_attn_calls_are_read_with_their_bottom_right_alignment_and_varlen_
                                      torch.tensor([0, 4, 9], dtype=torch.int32), 4, 5, causal=True, softcap=0.0)
         flash.flash_attn_func(q, k, k, softcap=30.0)
     dense, varlen, capped = (case_of(c, tmp_path / "cap") for c in read_capture(tmp_path / "cap"))
-    assert (dense.mask, dense.seq, dense.seq_k) == ("causal_bottom_right", 4, 6)
+    assert (dense.mask, dense.seq, dense.seq_kv) == ("causal_bottom_right", 4, 6)
     assert (varlen.qkv_format, varlen.mask, varlen.seqlens, varlen.seqlens_kv, varlen.pad_between_seqs) == (
         "thd", "padding_causal_bottom_right", (3, 4), (4, 5), False)
     assert capped == "softcap 30.0 (attn-doctor checks uncapped scores)"

@@ -121,7 +121,7 @@ def _naive_stack_dqs(inputs: stacking.StackInputs, case, split=_megatron_split) 
     for w in inputs.layers:
         normed = F.layer_norm(h, (hidden,), w.ln_weight, w.ln_bias, eps=1e-5)
         mixed = F.linear(normed, w.qkv_weight, w.qkv_bias)
-        q, k, v = split(mixed, case.heads, case.num_kv_heads, case.head_dim)
+        q, k, v = split(mixed, case.heads, case.kv_heads, case.head_dim)
         q.retain_grad()
         qs.append(q)
         context = _naive_attention(q, k, v, case)
@@ -629,7 +629,7 @@ def test_grid_cross_product():
 
 def test_grid_windows_seq_kv_and_dedup():
     cases, _, _ = _grid(windows=("4,0", "8,0"), seq="16", seq_kv="16,24")
-    assert {(c.window, c.seq_k) for c in cases} == {((4, 0), 16), ((8, 0), 16), ((4, 0), 24), ((8, 0), 24)}
+    assert {(c.window, c.seq_kv) for c in cases} == {((4, 0), 16), ((8, 0), 16), ((4, 0), 24), ((8, 0), 24)}
     # causal fixes the right window to 0, so 4,-1 is 4,0: one case, not two
     cases, _, _ = _grid(windows=("4,0", "4,-1"), seq="16,16")
     assert [c.window for c in cases] == [(4, 0)]

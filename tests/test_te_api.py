@@ -61,7 +61,7 @@ def test_impossible_cases_are_refused_with_the_fix(fields, says):
 
 def test_lengths_set_the_batch_and_the_padded_length_and_read_back():
     case = make_case(seqlens=(512, 387, 0, 1), mask="padding_causal", qkv_format="thd", heads=4, head_dim=16)
-    assert (case.batch, case.seq, case.seq_k) == (4, 512, 512)
+    assert (case.batch, case.seq, case.seq_kv) == (4, 512, 512)
     assert case.lengths_q() == case.lengths_kv() == (512, 387, 0, 1)
     assert case.seqlens_kv is None  # self-attention: the kv lengths are the q ones
     assert Case.from_dict(case.to_dict()) == case
@@ -71,7 +71,7 @@ def test_lengths_set_the_batch_and_the_padded_length_and_read_back():
 
 def test_the_dense_api_reads_as_it_always_did():
     case = make_case(mask="none", head_dim_v=64)
-    assert case.mask == "no_mask" and case.head_dim_v is None  # "none" is TE's no_mask; equal dims: no MLA
+    assert case.mask == "no_mask" and not case.mla  # "none" is TE's no_mask; equal dims: no MLA
     assert set(case.to_dict()) == {"batch", "seq", "heads", "head_dim", "kv_heads", "seq_kv", "dtype", "mask",
                                    "window", "seed"}
     assert case.api_features() == []
@@ -99,17 +99,17 @@ def test_the_coverage_recipe_walks_every_feature():
     assert {"alibi", "post_scale_bias:1hss", "post_scale_bias:111s"} <= seen["bias"]
     assert seen["softmax"] == {"vanilla", "off-by-one", "learnable"} and seen["fp8"] == {"none", "delayed", "current"}
     assert seen["dtype"] == {"bf16", "fp16", "fp32"} and {32, 64, 128, 256} <= seen["head_dim"]
-    assert {(c.head_dim, c.head_dim_v) for c in cases if c.head_dim_v} == {(192, 128), (128, 64), (256, 128)}
-    assert any(c.window for c in cases if c.qkv_format == "thd") and any(c.seq_k != c.seq for c in cases)
+    assert {(c.head_dim, c.head_dim_v) for c in cases if c.mla} == {(192, 128), (128, 64), (256, 128)}
+    assert any(c.window for c in cases if c.qkv_format == "thd") and any(c.seq_kv != c.seq for c in cases)
     assert any(0 in c.lengths_q() and 1 in c.lengths_q() for c in cases)  # empty and one-token sequences
-    assert any(c.num_kv_heads != c.heads for c in cases if c.qkv_format == "thd")
+    assert any(c.kv_heads != c.heads for c in cases if c.qkv_format == "thd")
 
 
 # --- the reference against an independent dense float64 computation ---------------------------------------------
 
 def _te_visible(case: Case) -> torch.Tensor:
     """[batch, 1, seq_q, seq_kv]: TE's get_full_mask written out pair by pair (True = visible)."""
-    out = torch.zeros(case.batch, 1, case.seq, case.seq_k, dtype=torch.bool)
+    out = torch.zeros(case.batch, 1, case.seq, case.seq_kv, dtype=torch.bool)
     left, right = case.window if case.window is not None else (-1, -1)
     if "causal" in case.mask:
         right = 0
@@ -130,11 +130,11 @@ def _te_alibi(case: Case) -> torch.Tensor:
     """[batch, heads, seq_q, seq_kv]: TE's get_alibi written out (its slope formula, -slope |i - j + off|)."""
     n = 2 ** int(math.log2(case.heads))
     slopes = [2 ** (-8 * (k + 1) / n) for k in range(n)] + [2 ** (-4 * k / n) for k in range(1, 2 * (case.heads - n), 2)]
-    out = torch.zeros(case.batch, case.heads, case.seq, case.seq_k, dtype=torch.float64)
+    out = torch.zeros(case.batch, case.heads, case.seq, case.seq_kv, dtype=torch.float64)
     for b in range(case.batch):
         off = 0 if case.mask in ("causal", "padding_causal") else case.lengths_kv()[b] - case.lengths_q()[b]
         for i in range(case.seq):
-            for j in range(case.seq_k):
+            for j in range(case.seq_kv):
                 out[b, :, i, j] = -torch.tensor(slopes, dtype=torch.float64) * abs(i - j + off)
     return out
 

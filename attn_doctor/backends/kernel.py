@@ -114,7 +114,7 @@ def _defines(path: Path, name: str) -> bool:
 def needs_mask(case: Case) -> bool:
     """Whether `causal` alone cannot describe the case's mask."""
     return (case.padded or case.mask == "arbitrary" or case.window is not None
-            or case.bottom_right and case.seq != case.seq_k)
+            or case.bottom_right and case.seq != case.seq_kv)
 
 
 def required_keywords(case: Case) -> list[str]:

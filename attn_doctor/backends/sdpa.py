@@ -144,7 +144,7 @@ class SdpaKernel(Backend):
         a bias as a float attn_mask with -inf where masked."""
         semantics = semantics or Semantics(case)
         dense = not case.padded and semantics.allowed is None and semantics.bias is None and semantics.alibi_slopes is None
-        if dense and case.causal and case.window is None and case.seq == case.seq_k:
+        if dense and case.causal and case.window is None and case.seq == case.seq_kv:
             return self._attend(q, k, v, None, True, case)
         mask = dense_allowed(semantics, q.device)
         bias = dense_bias(semantics, q.dtype, q.device)

@@ -210,15 +210,15 @@ def describe_determinism(facts: dict[str, Any]) -> str:
 def attention_type(case: Case) -> str:
     """TE's attention_type: "cross" whenever query and key lengths differ. Under "self" TE reads one padding
     mask for both and its flash path reuses cu_seqlens_q for the keys."""
-    return "self" if case.seq == case.seq_k and case.lengths_q() == case.lengths_kv() else "cross"
+    return "self" if case.seq == case.seq_kv and case.lengths_q() == case.lengths_kv() else "cross"
 
 
 def dpa_arguments(case: Case) -> dict:
     """DotProductAttention's constructor arguments for a case (no dropout), before any TP/CP ones."""
     arguments = dict(
         num_attention_heads=case.heads,
-        kv_channels=case.head_dim if case.head_dim_v is None else (case.head_dim, case.head_dim_v),
-        num_gqa_groups=case.num_kv_heads,
+        kv_channels=(case.head_dim, case.head_dim_v) if case.mla else case.head_dim,
+        num_gqa_groups=case.kv_heads,
         attention_dropout=0.0,
         qkv_format=case.qkv_format,
         attn_mask_type=case.mask,
@@ -244,7 +244,7 @@ def forward_arguments(case: Case, semantics: Semantics | None, device: torch.dev
             return torch.tensor(packed.cu_seqlens(side, padded), dtype=torch.int32, device=device)
 
         arguments.update(cu_seqlens_q=lengths("q"), cu_seqlens_kv=lengths("kv"), max_seqlen_q=case.seq,
-                         max_seqlen_kv=case.seq_k)
+                         max_seqlen_kv=case.seq_kv)
         if case.pad_between_seqs:
             arguments.update(cu_seqlens_q_padded=lengths("q", True), cu_seqlens_kv_padded=lengths("kv", True),
                              pad_between_seqs=True)
@@ -473,7 +473,7 @@ class TEAttention(Backend):
             module.softmax_offset.grad = None
         out = self._call(module, q, k, v, case.fp8, **arguments)
         self._last_module = module
-        return out.view(*q.shape[:-2], case.heads, case.d_v)
+        return out.view(*q.shape[:-2], case.heads, case.head_dim_v)
 
     def sink_leaf(self, semantics: Semantics) -> torch.Tensor | None:
         """TE's own learnable sink parameter of the module that ran (TE uses it, not the semantics' copy)."""

@@ -77,23 +77,23 @@ class Integer:
 
 def _heads_values(coords: Coords) -> list[int]:
     case = coords.case
-    group = case.heads // case.num_kv_heads
+    group = case.heads // case.kv_heads
     unit = group * coords.tp  # heads stay a multiple of the group size and of the TP degree
     return [n for n in range(unit, case.heads + 1, unit) if (n // group) % coords.tp == 0]
 
 
 def _set_heads(coords: Coords, heads: int) -> Coords:
-    group = coords.case.heads // coords.case.num_kv_heads
+    group = coords.case.heads // coords.case.kv_heads
     return _with_case(coords, heads=heads, kv_heads=heads // group)
 
 
 def _set_seq(coords: Coords, seq: int) -> Coords:
     """seq (and seq_kv with it under self-attention); per-sequence lengths are cut to fit."""
     case = coords.case
-    fields: dict[str, Any] = {"seq": seq, **({"seq_kv": seq} if case.seq_k == case.seq else {})}
+    fields: dict[str, Any] = {"seq": seq, **({"seq_kv": seq} if case.seq_kv == case.seq else {})}
     if case.seqlens is not None:
         fields["seqlens"] = [min(n, seq) for n in case.seqlens]
-    if case.seqlens_kv is not None and case.seq_k == case.seq:
+    if case.seqlens_kv is not None and case.seq_kv == case.seq:
         fields["seqlens_kv"] = [min(n, seq) for n in case.seqlens_kv]
     return _with_case(coords, **fields)
 
@@ -165,15 +165,15 @@ CATEGORICAL: tuple[Categorical, ...] = (
                 lambda c, v: _with_case(c, softmax=v)),
     Categorical("bias", lambda c: c.case.bias, lambda c: ["no_bias"] if c.case.bias != "no_bias" else [],
                 lambda c, v: _with_case(c, bias=v)),
-    Categorical("head_dim_v", lambda c: c.case.head_dim_v, lambda c: [None] if c.case.head_dim_v is not None else [],
+    Categorical("head_dim_v", lambda c: c.case.head_dim_v if c.case.mla else None, lambda c: [None] if c.case.mla else [],
                 lambda c, v: _with_case(c, head_dim_v=v)),
     Categorical("mask", lambda c: c.case.mask, _plainer_masks, _set_mask),
-    Categorical("kv_heads", lambda c: c.case.num_kv_heads,
-                lambda c: [c.case.heads] if c.case.num_kv_heads != c.case.heads else [],
+    Categorical("kv_heads", lambda c: c.case.kv_heads,
+                lambda c: [c.case.heads] if c.case.kv_heads != c.case.heads else [],
                 lambda c, _: _with_case(c, kv_heads=c.case.heads)),  # tied to heads, whatever heads is by then
     Categorical("window", lambda c: c.case.window, lambda c: [None] if c.case.window is not None else [],
                 lambda c, v: _with_case(c, window=v)),
-    Categorical("seq_kv", lambda c: c.case.seq_k, lambda c: [c.case.seq] if c.case.seq_k != c.case.seq else [],
+    Categorical("seq_kv", lambda c: c.case.seq_kv, lambda c: [c.case.seq] if c.case.seq_kv != c.case.seq else [],
                 lambda c, _: _with_case(c, seq_kv=c.case.seq)),  # tied to seq
     Categorical("tp", lambda c: c.tp, lambda c: [1] if c.tp != 1 else [], lambda c, v: _rebuilt(c, tp=v)),
     Categorical("layers", lambda c: c.layers, lambda c: [1] if c.layers > 1 else [],
@@ -191,8 +191,8 @@ INTEGER: tuple[Integer, ...] = (
             lambda c, v: _rebuilt(c, layers=v)),
     Integer("batch", lambda c: c.case.batch, lambda c: list(range(1, c.case.batch + 1)), _set_batch),
     Integer("seq", lambda c: c.case.seq, lambda c: list(range(1, c.case.seq + 1)), _set_seq),
-    Integer("seq_kv", lambda c: c.case.seq_k,  # self-attention: seq_kv follows seq
-            lambda c: list(range(1, c.case.seq_k + 1)) if c.case.seq_k != c.case.seq else [],
+    Integer("seq_kv", lambda c: c.case.seq_kv,  # self-attention: seq_kv follows seq
+            lambda c: list(range(1, c.case.seq_kv + 1)) if c.case.seq_kv != c.case.seq else [],
             lambda c, v: _with_case(c, seq_kv=v)),
     Integer("heads", lambda c: c.case.heads, _heads_values, _set_heads),
     Integer("head_dim", lambda c: c.case.head_dim, _head_dims, lambda c, v: _with_case(c, head_dim=v)),

@@ -50,8 +50,8 @@ class Case:
     seq: int = 1024
     heads: int = 16
     head_dim: int = 64
-    kv_heads: int | None = None  # None: same as heads (no GQA)
-    seq_kv: int | None = None  # None: same as seq (self-attention)
+    kv_heads: int | None = None  # None at construction: same as heads (no GQA); always a number after it
+    seq_kv: int | None = None  # None at construction: same as seq (self-attention); always a number after it
     dtype: str = "bf16"
     mask: str = "causal"
     # Sliding window (left, right) in TE's convention: query i sees keys [i-left, i+right]; -1 = unbounded.
@@ -67,7 +67,7 @@ class Case:
     seqlens_kv: tuple[int, ...] | None = None
     # thd only: each sequence's slot in the packed tensor has padding after it (cu_seqlens_*_padded).
     pad_between_seqs: bool = False
-    head_dim_v: int | None = None  # MLA: v's (and out's) head dim; None: head_dim
+    head_dim_v: int | None = None  # MLA: v's (and out's) head dim; None at construction: head_dim
     bias: str = "no_bias"  # one of BIASES
     softmax: str = "vanilla"  # TE's softmax_type: one of SOFTMAX_TYPES (sinks)
     fp8: str = "none"  # TE's FP8 attention recipe: one of FP8_RECIPES
@@ -77,13 +77,18 @@ class Case:
     # recorded) replace the seeded ones, and the `captured` layout rebuilds its exact views.
     replay: str | None = None
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.heads if self.kv_heads is None else self.kv_heads
+    def __post_init__(self) -> None:
+        # One field each: left out, kv heads, the key length and v's head dim are the query side's.
+        for name, same_as in (("kv_heads", "heads"), ("seq_kv", "seq"), ("head_dim_v", "head_dim")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(self, same_as))
+        if self.window is not None and not isinstance(self.window, tuple):
+            object.__setattr__(self, "window", tuple(self.window))
 
     @property
-    def seq_k(self) -> int:
-        return self.seq if self.seq_kv is None else self.seq_kv
+    def mla(self) -> bool:
+        """v's head dim differs from q's and k's (TE's MLA)."""
+        return self.head_dim_v != self.head_dim
 
     @property
     def causal(self) -> bool:
@@ -100,10 +105,6 @@ class Case:
         """The mask has TE's padding part: sequences have their own lengths."""
         return self.mask.startswith("padding")
 
-    @property
-    def d_v(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
     def lengths_q(self) -> tuple[int, ...]:
         return self.seqlens if self.seqlens is not None else (self.seq,) * self.batch
 
@@ -111,9 +112,9 @@ class Case:
         """The key/value lengths: their own, or under self-attention the queries' (TE's single cu_seqlens)."""
         if self.seqlens_kv is not None:
             return self.seqlens_kv
-        if self.seqlens is not None and self.seq_k == self.seq:
+        if self.seqlens is not None and self.seq_kv == self.seq:
             return self.seqlens
-        return (self.seq_k,) * self.batch
+        return (self.seq_kv,) * self.batch
 
     @property
     def masked_fraction(self) -> float:
@@ -126,15 +127,19 @@ class Case:
     def api_features(self) -> list[str]:
         """The parts of TE's API beyond a dense sbhd/bshd call with a causal or no mask: what the single-call
         probes cover and the TP, depth and distributed probes do not model."""
-        return [name for name, default in API_DEFAULTS.items()
-                if name not in ("qkv_format", "mask_source") and getattr(self, name) != default] + (
+        return [name for name in API_DEFAULTS
+                if name not in ("qkv_format", "mask_source") and not self.at_default(name)] + (
             [f"mask {self.mask}"] if self.mask not in ("no_mask", "causal") else []) + (
             ["thd"] if self.qkv_format == "thd" else [])
+
+    def at_default(self, name: str) -> bool:
+        """Whether an API field has its default (v's head dim: q's)."""
+        return getattr(self, name) == (self.head_dim if name == "head_dim_v" else API_DEFAULTS[name])
 
     @property
     def score_elements(self) -> int:
         """How many (query, key) scores one attention call has: what a path that materialises them holds."""
-        return self.batch * self.heads * self.seq * self.seq_k
+        return self.batch * self.heads * self.seq * self.seq_kv
 
     @property
     def softmax_scale(self) -> float:
@@ -146,7 +151,7 @@ class Case:
         length or 1, and the key length."""
         code = self.bias.partition(":")[2]
         sizes = {"1": 1, "b": self.batch, "h": self.heads}
-        return sizes[code[0]], sizes[code[1]], self.seq if code[2] == "s" else 1, self.seq_k
+        return sizes[code[0]], sizes[code[1]], self.seq if code[2] == "s" else 1, self.seq_kv
 
     def key(self) -> tuple:
         """Identity of the inputs: cases with equal keys get bitwise-equal q, k, v, dout."""
@@ -154,13 +159,11 @@ class Case:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["kv_heads"] = self.num_kv_heads
-        d["seq_kv"] = self.seq_k
         d["window"] = list(self.window) if self.window is not None else None
         if self.inputs == "normal":  # absent means normal: documents written before --inputs read the same
             del d["inputs"]
-        for name, default in API_DEFAULTS.items():
-            if d[name] == default:
+        for name in API_DEFAULTS:
+            if self.at_default(name):
                 del d[name]
             elif isinstance(d[name], tuple):
                 d[name] = list(d[name])
@@ -190,7 +193,7 @@ class Case:
             parts.append((f"kvlens {lengths}", f"--seqlens-kv {lengths}"))
         if self.pad_between_seqs:
             parts.append(("pad-between", "--pad-between-seqs"))
-        if self.head_dim_v is not None:
+        if self.mla:
             parts.append((f"dv{self.head_dim_v}", f"--head-dim-v {self.head_dim_v}"))
         if self.bias != "no_bias":
             parts.append((self.bias.replace("post_scale_bias:", "bias:"), f"--bias {self.bias}"))
@@ -212,11 +215,11 @@ class Case:
 
     def short(self) -> str:
         parts = [f"b{self.batch}", f"s{self.seq}"]
-        if self.seq_k != self.seq:
-            parts.append(f"skv{self.seq_k}")
+        if self.seq_kv != self.seq:
+            parts.append(f"skv{self.seq_kv}")
         parts.append(f"h{self.heads}")
-        if self.num_kv_heads != self.heads:
-            parts.append(f"kv{self.num_kv_heads}")
+        if self.kv_heads != self.heads:
+            parts.append(f"kv{self.kv_heads}")
         parts += [f"d{self.head_dim}", self.dtype, self.mask]
         if self.window is not None:
             parts.append(f"win{self.window[0]},{self.window[1]}")
@@ -232,10 +235,10 @@ class Case:
             f"--heads {self.heads}",
             f"--head-dim {self.head_dim}",
         ]
-        if self.num_kv_heads != self.heads:
-            flags.append(f"--kv-heads {self.num_kv_heads}")
-        if self.seq_k != self.seq:
-            flags.append(f"--seq-kv {self.seq_k}")
+        if self.kv_heads != self.heads:
+            flags.append(f"--kv-heads {self.kv_heads}")
+        if self.seq_kv != self.seq:
+            flags.append(f"--seq-kv {self.seq_kv}")
         flags += [f"--dtype {self.dtype}", f"--mask {self.mask}"]
         if self.window is not None:
             flags.append(f"--window {self.window[0]},{self.window[1]}")
@@ -251,14 +254,14 @@ def tp_unsupported(case: Case, tp: int) -> str | None:
     if case.api_features():
         return (f"TP shards, depth stacks and ranks model the dense API only; this case uses "
                 f"{', '.join(case.api_features())} (check it as a single call)")
-    if case.heads % tp or case.num_kv_heads % tp:
-        return f"TP={tp} needs heads ({case.heads}) and kv heads ({case.num_kv_heads}) divisible by {tp}"
+    if case.heads % tp or case.kv_heads % tp:
+        return f"TP={tp} needs heads ({case.heads}) and kv heads ({case.kv_heads}) divisible by {tp}"
     return None
 
 
 def tp_shard(case: Case, tp: int) -> Case:
     """The case one of `tp` tensor-parallel head shards sees."""
-    return dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.num_kv_heads // tp)
+    return dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.kv_heads // tp)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -298,23 +301,12 @@ def make_case(**fields: Any) -> Case:
     if fields.get("seqlens_kv") is not None and fields.get("seqlens") is None and fields.get("seq") is None:
         raise BadInput("--seqlens-kv needs --seqlens (or --seq): the query side's lengths")
     case = Case(**fields)
-    # Canonical form: equal cases compare and hash equal however they were spelled.
-    case = dataclasses.replace(
-        case,
-        kv_heads=case.heads if case.kv_heads is None else case.kv_heads,
-        seq_kv=case.seq if case.seq_kv is None else case.seq_kv,
-        window=tuple(case.window) if case.window is not None else None,
-        head_dim_v=None if case.head_dim_v == case.head_dim else case.head_dim_v,
-    )
-    case = _check_scale(case)
-    for name in ("batch", "seq", "heads", "head_dim"):
+    case = _check_scale(case)  # equal cases compare and hash equal however they were spelled (__post_init__)
+    for name in ("batch", "seq", "heads", "head_dim", "kv_heads", "seq_kv", "head_dim_v"):
         _positive(name, getattr(case, name))
-    for name in ("kv_heads", "seq_kv", "head_dim_v"):
-        if getattr(case, name) is not None:
-            _positive(name, getattr(case, name))
-    if case.heads % case.num_kv_heads:
+    if case.heads % case.kv_heads:
         raise BadInput(
-            f"heads ({case.heads}) must be divisible by kv-heads ({case.num_kv_heads}): "
+            f"heads ({case.heads}) must be divisible by kv-heads ({case.kv_heads}): "
             "each key/value head serves a whole group of query heads"
         )
     if case.dtype not in DTYPES:
@@ -361,12 +353,12 @@ def _check_lengths(case: Case) -> Case:
         if len(case.seqlens_kv) != case.batch:
             raise BadInput(f"--seqlens-kv gives {len(case.seqlens_kv)} lengths for a batch of {case.batch}; give "
                            "one per sequence")
-        if case.seqlens is not None and case.seqlens_kv == case.seqlens and case.seq_k == case.seq:
+        if case.seqlens is not None and case.seqlens_kv == case.seqlens and case.seq_kv == case.seq:
             case = dataclasses.replace(case, seqlens_kv=None)  # self-attention: the kv lengths are the q ones
-    elif case.seqlens is not None and case.seq_k != case.seq:
+    elif case.seqlens is not None and case.seq_kv != case.seq:
         raise BadInput("cross-attention with --seqlens needs --seqlens-kv: the key/value sequences' lengths")
     for name in ("seqlens", "seqlens_kv"):
-        values, longest = getattr(case, name), (case.seq if name == "seqlens" else case.seq_k)
+        values, longest = getattr(case, name), (case.seq if name == "seqlens" else case.seq_kv)
         if values is not None:
             _lengths(name, values, longest)
     ragged = case.seqlens is not None or case.seqlens_kv is not None

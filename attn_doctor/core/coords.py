@@ -150,7 +150,7 @@ class Coords:
                 return "TP shards are head-sliced views (layout head_slice) or contiguous copies (contiguous)"
             return why_not
         if self.kind is ProbeKind.DEPTH:
-            if case.seq_k != case.seq:
+            if case.seq_kv != case.seq:
                 return "the depth stack is self-attention: it needs seq_kv == seq"
             if case.inputs != "normal":
                 return (f"the depth stack's q, k, v come from its seeded weights: inputs {case.inputs} applies to "
@@ -158,14 +158,14 @@ class Coords:
             return None
         if self.cp > 1:  # DISTRIBUTED
             cp, tp = self.cp, self.tp
-            if case.seq_k != case.seq:
+            if case.seq_kv != case.seq:
                 return f"CP={cp} splits one sequence for q, k and v: it needs self-attention (seq_kv == seq)"
             if case.seq % (2 * cp):
                 return (f"CP={cp} splits the sequence into {2 * cp} equal chunks: seq ({case.seq}) must be "
                         f"divisible by {2 * cp}")
-            if self.cp_comm_type == "a2a" and ((case.heads // tp) % cp or (case.num_kv_heads // tp) % cp):
+            if self.cp_comm_type == "a2a" and ((case.heads // tp) % cp or (case.kv_heads // tp) % cp):
                 return (f"CP a2a regroups heads over {cp} ranks: heads per TP rank ({case.heads // tp}) and kv "
-                        f"heads per TP rank ({case.num_kv_heads // tp}) must be divisible by {cp}")
+                        f"heads per TP rank ({case.kv_heads // tp}) must be divisible by {cp}")
         return None
 
     # -- how the coordinates are written ----------------------------------------------------------------

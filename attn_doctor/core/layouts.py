@@ -104,10 +104,10 @@ def packing(case) -> Packing:
     if case.replay is not None and case.pad_between_seqs:
         from attn_doctor.tracing.replay import captured_slots
 
-        return Packing(case.seq, case.seq_k, lengths_q, lengths_kv, *captured_slots(case))
-    return Packing(case.seq, case.seq_k, lengths_q, lengths_kv,
+        return Packing(case.seq, case.seq_kv, lengths_q, lengths_kv, *captured_slots(case))
+    return Packing(case.seq, case.seq_kv, lengths_q, lengths_kv,
                    slots(lengths_q, case.seq, case.pad_between_seqs),
-                   slots(lengths_kv, case.seq_k, case.pad_between_seqs))
+                   slots(lengths_kv, case.seq_kv, case.pad_between_seqs))
 
 
 @dataclass
@@ -217,14 +217,14 @@ def layout_unsupported(layout: str, case) -> str | None:
     """Why `layout` cannot hold this case (`attn_doctor.core.case.Case`), or None when it can."""
     if layout == CAPTURED:
         return None if case.replay is not None else "the captured layout is a replayed call's (attn-doctor replay)"
-    seq_q, seq_kv, heads, kv_heads = case.seq, case.seq_k, case.heads, case.num_kv_heads
+    seq_q, seq_kv, heads, kv_heads = case.seq, case.seq_kv, case.heads, case.kv_heads
     if layout in ("sb3hd_packed", "sbh3d_packed") and seq_q != seq_kv:
         return f"{layout} packs q, k, v in one buffer, so it needs seq_kv == seq"
     if layout == "sb3hd_packed" and heads != kv_heads:
         return "sb3hd_packed needs as many kv heads as heads (use sbh3d_packed for GQA)"
     if layout in ("sb3hd_packed", "sbh3d_packed", "transposed") and case.qkv_format == "thd":
         return f"{layout} is a layout of padded sbhd/bshd tensors; thd packs tokens (use qkv_3hd, kv_2hd, ...)"
-    if (layout.startswith(("qkv_", "kv_")) or layout in ("sb3hd_packed", "sbh3d_packed")) and case.head_dim_v is not None:
+    if (layout.startswith(("qkv_", "kv_")) or layout in ("sb3hd_packed", "sbh3d_packed")) and case.mla:
         return f"{layout} packs k and v in one buffer, so it needs head_dim_v == head_dim"
     if layout.startswith("qkv_"):
         if seq_q != seq_kv or case.lengths_q() != case.lengths_kv():

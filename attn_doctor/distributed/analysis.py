@@ -38,7 +38,7 @@ class RankZero:
     def analyse(self, backend: Backend, case: Case, inputs: Inputs, gathered: dict, rans: list[str],
                 method: str | None, kernel_s: float) -> dict:
         ctx, torch = self.ctx, self.ctx.torch
-        hq, hkv = case.heads // ctx.tp, case.num_kv_heads // ctx.tp
+        hq, hkv = case.heads // ctx.tp, case.kv_heads // ctx.tp
 
         def shard_index(name: str, rank: int):
             t, c = grid_position(rank, ctx.tp)

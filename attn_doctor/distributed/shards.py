@@ -47,7 +47,7 @@ def forward_backward(ctx: Context, backend: Backend, leaves, dout, call) -> tupl
 
 def shard_inputs(ctx: Context, case: Case, inputs):
     """This rank's q, k, v, dout (bshd, contiguous copies): its TP heads and, under CP, its chunks."""
-    hq, hkv = case.heads // ctx.tp, case.num_kv_heads // ctx.tp
+    hq, hkv = case.heads // ctx.tp, case.kv_heads // ctx.tp
     t = ctx.tp_rank
 
     def take(x, heads):
@@ -61,7 +61,7 @@ def shard_inputs(ctx: Context, case: Case, inputs):
 
 def run_shard(ctx: Context, backend: Backend, case: Case, q, k, v, dout) -> tuple[list, str, str | None]:
     """([out, dq, dk, dv] of this rank's shard, bshd; what ran; how CP was done, None without CP)."""
-    shard_case = dataclasses.replace(case, heads=case.heads // ctx.tp, kv_heads=case.num_kv_heads // ctx.tp,
+    shard_case = dataclasses.replace(case, heads=case.heads // ctx.tp, kv_heads=case.kv_heads // ctx.tp,
                                      seq=case.seq // ctx.cp)
     if backend.own_parallelism:
         tensors, ran = run_native(ctx, backend, case, q, k, v, dout)

@@ -35,7 +35,7 @@ class Need:
 
 
 def _elements(case: Case) -> tuple[int, int]:
-    return case.batch * case.seq * case.heads * case.head_dim, case.batch * case.seq_k * case.num_kv_heads * case.head_dim
+    return case.batch * case.seq * case.heads * case.head_dim, case.batch * case.seq_kv * case.kv_heads * case.head_dim
 
 
 def _call_bytes(coords: Coords, case: Case, repeats: int = 1) -> tuple[int, int]:
@@ -56,7 +56,7 @@ def _reference(case: Case, device: str) -> tuple[int, int]:
 
     from attn_doctor.numerics.reference import reference_bytes
 
-    return reference_bytes(case.batch, case.seq, case.seq_k, case.heads, case.num_kv_heads, case.head_dim,
+    return reference_bytes(case.batch, case.seq, case.seq_kv, case.heads, case.kv_heads, case.head_dim,
                            torch.device(device.split(":")[0]))
 
 
@@ -159,7 +159,7 @@ def size(n: float) -> str:
 def _with_seq(coords: Coords, seq: int) -> Coords:
     """The same probe on a case whose sequence is `seq` (the key/value length scaled with it)."""
     case = coords.case
-    seq_kv = seq if case.seq_k == case.seq else max(1, round(case.seq_k * seq / case.seq))
+    seq_kv = seq if case.seq_kv == case.seq else max(1, round(case.seq_kv * seq / case.seq))
     return coords.replace(case=dataclasses.replace(case, seq=seq, seq_kv=seq_kv))
 
 

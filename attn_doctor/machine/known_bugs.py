@@ -651,12 +651,12 @@ def _window(value: bool, case: Case, context: MatchContext) -> str | None:
 
 def _kv_shorter(value: bool, case: Case, context: MatchContext) -> str | None:
     shorter = any(kv < q for q, kv in zip(case.lengths_q(), case.lengths_kv()))
-    return _flag(value, shorter, f"fewer keys than queries (seq {case.seq}, seq_kv {case.seq_k})",
+    return _flag(value, shorter, f"fewer keys than queries (seq {case.seq}, seq_kv {case.seq_kv})",
                  "no sequence with fewer keys than queries")
 
 
 def _ragged(value: bool, case: Case, context: MatchContext) -> str | None:
-    ragged = any(n < case.seq for n in case.lengths_q()) or any(n < case.seq_k for n in case.lengths_kv())
+    ragged = any(n < case.seq for n in case.lengths_q()) or any(n < case.seq_kv for n in case.lengths_kv())
     return _flag(value, ragged, "ragged sequence lengths", "full-length sequences")
 
 
@@ -679,27 +679,27 @@ _CASE_CHECKS: dict[str, _CaseCheck] = {
     "mask": _mask,
     "causal": lambda v, c, x: _flag(v, c.causal, "causal", "non-causal"),
     "window": _window,
-    "cross_attention": lambda v, c, x: _flag(v, c.seq != c.seq_k, f"cross-attention (seq {c.seq} != seq_kv {c.seq_k})",
+    "cross_attention": lambda v, c, x: _flag(v, c.seq != c.seq_kv, f"cross-attention (seq {c.seq} != seq_kv {c.seq_kv})",
                                               "self-attention"),
     "seq_kv_shorter": _kv_shorter,
     "ragged": _ragged,
-    "seq_kv_gt": lambda v, c, x: _when(c.seq_k > v, f"seq_kv {c.seq_k} > {v}"),
+    "seq_kv_gt": lambda v, c, x: _when(c.seq_kv > v, f"seq_kv {c.seq_kv} > {v}"),
     "seq_q_gt": lambda v, c, x: _when(c.seq > v, f"seq {c.seq} > {v}"),
     "seq_q_le": lambda v, c, x: _when(c.seq <= v, f"seq {c.seq} <= {v}"),
-    "seq_kv_not_multiple_of": lambda v, c, x: _when(c.seq_k % v != 0, f"seq_kv {c.seq_k} not a multiple of {v}"),
-    "seq_kv_mod": lambda v, c, x: _when(c.seq_k % v[0] == v[1], f"seq_kv {c.seq_k} = {v[1]} mod {v[0]}"),
+    "seq_kv_not_multiple_of": lambda v, c, x: _when(c.seq_kv % v != 0, f"seq_kv {c.seq_kv} not a multiple of {v}"),
+    "seq_kv_mod": lambda v, c, x: _when(c.seq_kv % v[0] == v[1], f"seq_kv {c.seq_kv} = {v[1]} mod {v[0]}"),
     "seqlens_not_multiple_of_2cp": _not_multiple_of_2cp,
     "batch_ge": lambda v, c, x: _when(c.batch >= v, f"batch {c.batch} >= {v}"),
-    "gqa": lambda v, c, x: _flag(v, c.num_kv_heads < c.heads, f"GQA ({c.heads}/{c.num_kv_heads} heads)", "no GQA"),
-    "kv_heads_lt": lambda v, c, x: _when(c.num_kv_heads < v, f"{c.num_kv_heads} kv heads < {v}"),
+    "gqa": lambda v, c, x: _flag(v, c.kv_heads < c.heads, f"GQA ({c.heads}/{c.kv_heads} heads)", "no GQA"),
+    "kv_heads_lt": lambda v, c, x: _when(c.kv_heads < v, f"{c.kv_heads} kv heads < {v}"),
     "head_dim_qk_ge": lambda v, c, x: _when(c.head_dim >= v, f"d_qk {c.head_dim} >= {v}"),
-    "head_dim_v_ge": lambda v, c, x: _when(c.d_v >= v, f"d_v {c.d_v} >= {v}"),
+    "head_dim_v_ge": lambda v, c, x: _when(c.head_dim_v >= v, f"d_v {c.head_dim_v} >= {v}"),
     "head_dim_in": lambda v, c, x: _in_list(v, c.head_dim, "d_qk"),
-    "head_dims_differ": lambda v, c, x: _flag(v, c.head_dim != c.d_v, f"d_qk {c.head_dim} != d_v {c.d_v}",
+    "head_dims_differ": lambda v, c, x: _flag(v, c.head_dim != c.head_dim_v, f"d_qk {c.head_dim} != d_v {c.head_dim_v}",
                                                f"d_qk == d_v == {c.head_dim}"),
-    "head_dims_not_in": lambda v, c, x: _when((c.head_dim, c.d_v) not in v),
-    "head_dim_v_not_in": lambda v, c, x: _when(c.d_v not in v, f"d_v {c.d_v} not in {{{', '.join(map(str, v))}}}"),
-    "head_dim_v_not_multiple_of": lambda v, c, x: _when(c.d_v % v != 0, f"d_v {c.d_v} not a multiple of {v}"),
+    "head_dims_not_in": lambda v, c, x: _when((c.head_dim, c.head_dim_v) not in v),
+    "head_dim_v_not_in": lambda v, c, x: _when(c.head_dim_v not in v, f"d_v {c.head_dim_v} not in {{{', '.join(map(str, v))}}}"),
+    "head_dim_v_not_multiple_of": lambda v, c, x: _when(c.head_dim_v % v != 0, f"d_v {c.head_dim_v} not a multiple of {v}"),
     "fp8_recipe": lambda v, c, x: _in_list(v, c.fp8, "FP8 recipe"),
     "bias_shape": lambda v, c, x: _in_list(v, c.bias.removeprefix("post_scale_bias:"), "bias"),
     "softmax_type": lambda v, c, x: _in_list(v, c.softmax, "softmax"),

@@ -65,8 +65,8 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
             return Inputs(*captured, make_semantics(case, device))
     generator = torch.Generator(device=device).manual_seed(case.seed)
     dtype = TORCH_DTYPES[case.dtype]
-    b, s, skv, h, hkv, d = case.batch, case.seq, case.seq_k, case.heads, case.num_kv_heads, case.head_dim
-    dv = case.d_v
+    b, s, skv, h, hkv, d = case.batch, case.seq, case.seq_kv, case.heads, case.kv_heads, case.head_dim
+    dv = case.head_dim_v
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
@@ -132,7 +132,7 @@ def make_semantics(case: Case, device: torch.device) -> Semantics:
 
         semantics.allowed = captured_mask(case, device)
     elif case.mask == "arbitrary":
-        draws = torch.rand(case.batch, 1, case.seq, case.seq_k, generator=generator, device=device)
+        draws = torch.rand(case.batch, 1, case.seq, case.seq_kv, generator=generator, device=device)
         semantics.allowed = draws >= case.masked_fraction
     if case.bias == "alibi":
         semantics.alibi_slopes = alibi_slopes(case.heads).to(device)

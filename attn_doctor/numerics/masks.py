@@ -157,7 +157,7 @@ def dense_allowed(semantics: Semantics, device: torch.device) -> torch.Tensor | 
     padded query sees nothing, a padded key is seen by nobody); None when every pair is visible. What the
     paths that take an explicit mask (SDPA, the local baseline, a user's kernel) are given."""
     case = semantics.case
-    rows, cols = torch.arange(case.seq, device=device), torch.arange(case.seq_k, device=device)
+    rows, cols = torch.arange(case.seq, device=device), torch.arange(case.seq_kv, device=device)
     if not case.padded and semantics.allowed is None:
         vis = semantics.visibility(0)
         mask = visible_pairs(vis, rows, cols)
@@ -165,7 +165,7 @@ def dense_allowed(semantics: Semantics, device: torch.device) -> torch.Tensor | 
     masks = []
     for b in range(case.batch):
         mask = visible_pairs(semantics.visibility(b), rows, cols)
-        mask = torch.ones(case.seq, case.seq_k, dtype=torch.bool, device=device) if mask is None else mask
+        mask = torch.ones(case.seq, case.seq_kv, dtype=torch.bool, device=device) if mask is None else mask
         mask &= (rows < case.lengths_q()[b])[:, None] & (cols < case.lengths_kv()[b])[None, :]
         if semantics.allowed is not None:
             mask &= semantics.allowed[b, 0].to(device)
@@ -179,7 +179,7 @@ def dense_bias(semantics: Semantics, dtype: torch.dtype, device: torch.device) -
     case = semantics.case
     if semantics.alibi_slopes is None:
         return None if semantics.bias is None else semantics.bias.to(device=device, dtype=dtype)
-    return torch.stack([semantics.bias_of(b, case.seq, case.seq_k, device) for b in range(case.batch)]).to(dtype)
+    return torch.stack([semantics.bias_of(b, case.seq, case.seq_kv, device) for b in range(case.batch)]).to(dtype)
 
 
 def rows_seeing_keys(semantics: Semantics, device: torch.device) -> torch.Tensor:
@@ -196,7 +196,7 @@ def rows_seeing_keys(semantics: Semantics, device: torch.device) -> torch.Tensor
 def valid_tokens(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Boolean [batch, seq_q] and [batch, seq_kv]: the tokens that exist (not padding)."""
     q = torch.arange(case.seq, device=device)[None, :] < torch.tensor(case.lengths_q(), device=device)[:, None]
-    kv = torch.arange(case.seq_k, device=device)[None, :] < torch.tensor(case.lengths_kv(), device=device)[:, None]
+    kv = torch.arange(case.seq_kv, device=device)[None, :] < torch.tensor(case.lengths_kv(), device=device)[:, None]
     return q, kv
 
 

@@ -92,7 +92,7 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
         with kernel_code(passthrough=(Unsupported,)):
             out = backend.forward(qkv.q, qkv.k, qkv.v, case, semantics)
             ran_texts.append(backend.ran(out))
-            expected = (*qkv.q.shape[:-1], case.d_v)
+            expected = (*qkv.q.shape[:-1], case.head_dim_v)
             if tuple(out.shape) != expected:
                 raise ValueError(f"{backend.name} returned out of shape {tuple(out.shape)}, expected {expected} "
                                  f"({fmt})")

@@ -58,7 +58,7 @@ class StackInputs:
 def make_stack(case: Case, layers: int, device: torch.device, dtype: torch.dtype) -> StackInputs:
     """Seeded weights, input and output gradient, rounded to `dtype` (the model's dtype)."""
     hidden = case.heads * case.head_dim
-    qkv_out = (case.heads + 2 * case.num_kv_heads) * case.head_dim
+    qkv_out = (case.heads + 2 * case.kv_heads) * case.head_dim
     generator = torch.Generator(device=device).manual_seed(case.seed + 1)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -98,7 +98,7 @@ def run_stack(
 ) -> list[torch.Tensor]:
     """Forward and backward through the stack; returns dQ of every layer (sbhd, first layer first)."""
     hidden = case.heads * case.head_dim
-    group = case.heads // case.num_kv_heads
+    group = case.heads // case.kv_heads
     dqs: list[torch.Tensor | None] = [None] * len(inputs.layers)
     x = inputs.x.detach().requires_grad_()
     h = x
@@ -106,8 +106,8 @@ def run_stack(
         normed = F.layer_norm(h, (hidden,), w.ln_weight, w.ln_bias, eps=1e-5)
         mixed = F.linear(normed, w.qkv_weight, w.qkv_bias)
         s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, case.num_kv_heads, (group + 2) * case.head_dim)
-        groups_per_shard = case.num_kv_heads // tp
+        mixed = mixed.view(s, b, case.kv_heads, (group + 2) * case.head_dim)
+        groups_per_shard = case.kv_heads // tp
         outs = []
         for shard in range(tp):
             part = mixed[:, :, shard * groups_per_shard:(shard + 1) * groups_per_shard]
@@ -185,7 +185,7 @@ def stack_bytes(case: Case, layers: int, itemsize: int, attention_saved: int) ->
     keeps for the backward (the layer norm's input and output, the mixed qkv, the attention output and its
     projection, and `attention_saved`, what one layer's attention keeps), plus the per-layer dQ it returns."""
     hidden = case.heads * case.head_dim
-    qkv_out = (case.heads + 2 * case.num_kv_heads) * case.head_dim
+    qkv_out = (case.heads + 2 * case.kv_heads) * case.head_dim
     tokens = case.seq * case.batch
     weights = (qkv_out * hidden + hidden * hidden + 2 * qkv_out + 4 * hidden) * itemsize
     activations = tokens * (4 * hidden + qkv_out) * itemsize + attention_saved

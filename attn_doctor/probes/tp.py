@@ -33,7 +33,7 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     full = layouts.build("contiguous", inputs.q, inputs.k, inputs.v, fmt)
     dout = layouts.to_format(inputs.dout, fmt).contiguous()
     shard_case = tp_shard(case, tp)
-    hq, hkv = shard_case.heads, shard_case.num_kv_heads
+    hq, hkv = shard_case.heads, shard_case.kv_heads
     start = time.perf_counter()
     with kernel_code(passthrough=(Unsupported,)):
         unsharded = [t.detach() for t in _grads(backend, full.q, full.k, full.v, dout, case)]

@@ -363,7 +363,7 @@ def captured_mask(case: Case, device: torch.device) -> torch.Tensor:
         allowed = _sdpa_visible(_captured_tensor(call, "attn_mask"))
     allowed = allowed.to(device)
     allowed = allowed.reshape([1] * (4 - allowed.dim()) + list(allowed.shape))[:, :1]
-    return allowed.expand(case.batch, 1, case.seq, case.seq_k).clone()
+    return allowed.expand(case.batch, 1, case.seq, case.seq_kv).clone()
 
 
 def captured_bias(case: Case, device: torch.device) -> torch.Tensor | None:
@@ -403,7 +403,7 @@ def captured_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...
         dout = as_bshd(with_heads(load_values(call.dout_path)["dout"], native_q).to(device), fmt, packed, "q")
     else:
         generator = torch.Generator(device=device).manual_seed(case.seed + 1)
-        dout = torch.randn(case.batch, case.seq, case.heads, case.d_v, generator=generator,
+        dout = torch.randn(case.batch, case.seq, case.heads, case.head_dim_v, generator=generator,
                            device=device).to(TORCH_DTYPES[case.dtype])
     return q, k, v, dout
 
