@@ -13,7 +13,8 @@ import torch
 
 from attn_doctor.machine import fingerprint as env_mod
 from attn_doctor.machine.fingerprint import EnvReport, Fact, GpuInfo, collect_env
-from attn_doctor.render.env_view import env_markdown, env_rich_table, env_rows
+from attn_doctor.machine.env_rows import env_rows
+from attn_doctor.render.env_view import env_markdown, env_rich_table
 from attn_doctor.machine.te_probe import decode_cudnn_version, probe_loaded_te
 
 HAS_GPU = torch.cuda.is_available()

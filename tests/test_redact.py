@@ -16,7 +16,8 @@ from attn_doctor.machine.fingerprint import (
     collect_env_vars,
     looks_secret,
 )
-from attn_doctor.render.env_view import env_markdown, env_rows
+from attn_doctor.machine.env_rows import env_rows
+from attn_doctor.render.env_view import env_markdown
 from attn_doctor.render.redact import Identity, identity_from, identity_of, redact
 
 DATA = Path(__file__).resolve().parent / "data" / "results-fixed.json"

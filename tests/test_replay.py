@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import attn_doctor
 from attn_doctor.core.layouts import CAPTURED
 from attn_doctor.numerics.inputs import make_inputs
-from attn_doctor.tracing.replay import captured_dout, captured_views, case_of, view_geometry
+from attn_doctor.tracing.replay_case import case_of
+from attn_doctor.tracing.replay_source import CAPTURED_SOURCE, captured_dout, captured_views, view_geometry
 from attn_doctor.tracing.store import load_values, read_capture
 from tests.models import tiny_gpt
 
@@ -42,7 +43,7 @@ def _with_values(root: Path):
 def test_the_captured_views_come_back_with_the_same_shapes_strides_offsets_and_storage(capture_dir):
     call = _with_values(capture_dir)
     case = case_of(call, capture_dir)
-    x = make_inputs(case, torch.device("cpu"))
+    x = make_inputs(case, torch.device("cpu"), CAPTURED_SOURCE)
     qkv = captured_views(case, x.q, x.k, x.v, "bshd")
     for name, view in zip("qkv", (qkv.q, qkv.k, qkv.v)):
         captured = call.meta["tensors"][name]
@@ -62,7 +63,7 @@ def test_the_output_gradient_comes_back_with_the_geometry_the_runs_backward_gave
     memory (an expanded gradient), dO stands contiguous."""
     call = _with_values(capture_dir)
     case = case_of(call, capture_dir)
-    x = make_inputs(case, torch.device("cpu"))
+    x = make_inputs(case, torch.device("cpu"), CAPTURED_SOURCE)
     dout = captured_dout(case, x.dout)
     captured = call.meta["tensors"]["dout"]
     assert captured["stride"] != torch.empty(captured["shape"]).stride()  # not contiguous in the run
@@ -74,7 +75,7 @@ def test_the_output_gradient_comes_back_with_the_geometry_the_runs_backward_gave
         tensors = {**call.meta["tensors"], "dout": geometry} if geometry else {
             name: t for name, t in call.meta["tensors"].items() if name != "dout"}
         changed = type(call)(call.folder, {**call.meta, "tensors": tensors})
-        monkeypatch.setattr("attn_doctor.tracing.replay.load_call", lambda reference, changed=changed: changed)
+        monkeypatch.setattr("attn_doctor.tracing.replay_source.load_call", lambda reference, changed=changed: changed)
         assert captured_dout(case, x.dout) is None
 
 
@@ -141,6 +142,42 @@ def test_replay_with_a_faulty_kernel_names_it_and_bisect_starts_from_its_row(run
     assert "replay" not in found["minimal_case"]  # seeded inputs of its shapes fail too: the capture is not needed
 
 
+def test_a_replayed_rows_results_render_and_bisect_from_their_rows_when_the_capture_is_gone(run_cli, capture_dir,
+                                                                                           tmp_path):
+    """A results row names its captured call, but is whole without it: the report renders, and bisect starts
+    from seeded inputs of the call's shapes, saying that the capture is gone."""
+    moved = tmp_path / "capture"
+    shutil.copytree(capture_dir, moved)
+    result = run_cli(["replay", moved, "--kernel", f"faulty={FAULTY}", "--device", "cpu", "--layer", "1",
+                      "--out", tmp_path / "r"])
+    assert result.exit_code == 1, result.output
+    shutil.rmtree(moved)
+    report = run_cli(["report", tmp_path / "r", "--format", "markdown"])
+    assert report.exit_code == 0, report.output
+    assert "faulty" in report.output and "captured" in report.output
+    bisected = run_cli(["bisect", "--from", tmp_path / "r", "--device", "cpu", "--json", tmp_path / "b.json"])
+    assert bisected.exit_code == 0, bisected.output
+    assert f"the capture {moved} of this replayed row is gone" in " ".join(bisected.output.split())
+    assert "replay" not in json.loads((tmp_path / "b.json").read_text())["start_case"]
+
+
+def test_a_bisect_that_needs_the_captured_values_says_they_are_missing(run_cli, tmp_path):
+    """A fault that only the captured values trigger: without the capture folder, bisect says that the values
+    are needed and missing, and finds nothing to bisect on seeded inputs (exit 1)."""
+    q = torch.randn(1, 2, 8, 4) * 4 * tiny_gpt.LARGE_INPUT  # far beyond any seeded standard-normal entry
+    with attn_doctor.capture(tmp_path / "cap", values=True):
+        torch.nn.functional.scaled_dot_product_attention(q, q.flip(2), q.flip(3))
+    kernel = f"{ROOT / 'tests' / 'models' / 'tiny_gpt.py'}:faulty_on_large_inputs_kernel"
+    result = run_cli(["replay", tmp_path / "cap", "--kernel", f"large={kernel}", "--device", "cpu",
+                      "--out", tmp_path / "r"])
+    assert result.exit_code == 1 and "Faulty: large" in result.output, result.output
+    shutil.rmtree(tmp_path / "cap")
+    bisected = run_cli(["bisect", "--from", tmp_path / "r", "--device", "cpu"])
+    assert bisected.exit_code == 1, bisected.output
+    said = " ".join(bisected.output.split())
+    assert "nothing to bisect" in said and "which are needed and missing" in said and str(tmp_path / "cap") in said
+
+
 def test_run_replay_checks_one_call_and_refuses_other_shapes(run_cli, capture_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # run writes its results under ./reports
     call = _with_values(capture_dir)
@@ -173,7 +210,7 @@ def test_a_custom_scale_and_q_k_v_that_are_one_tensor_replay_on_seeded_values_th
     (call,) = read_capture(tmp_path / "cap")
     case = case_of(call, tmp_path / "cap")
     assert case.scale == 0.3 and "scale 0.3" in case.short()
-    x = make_inputs(case, torch.device("cpu"))
+    x = make_inputs(case, torch.device("cpu"), CAPTURED_SOURCE)
     assert torch.equal(x.q, x.k) and torch.equal(x.k, x.v)  # one tensor in the run: one tensor's values here
     result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out",
                       tmp_path / "r"])
@@ -205,7 +242,7 @@ def test_sdpa_masks_replay_as_the_captured_mask_and_bias_per_head_ones_say_why(r
     (biased,) = {r["case"]["replay"]: r["case"] for r in judged if r["case"].get("bias")}.values()
     assert biased["bias"] == "post_scale_bias:1hss"
     case = case_of([c for c in read_capture(tmp_path / "cap") if c.index == 2][0], tmp_path / "cap")
-    semantics = make_inputs(case, torch.device("cpu")).semantics
+    semantics = make_inputs(case, torch.device("cpu"), CAPTURED_SOURCE).semantics
     assert torch.equal(semantics.allowed[0, 0], additive[0, 0] != -math.inf)
     assert torch.equal(semantics.bias, additive.masked_fill(additive == -math.inf, 0))
 

@@ -16,9 +16,11 @@ import torch
 import attn_doctor
 from attn_doctor.bisect.knobs import CATEGORICAL
 from attn_doctor.core.coords import Coords
-from attn_doctor.core.layouts import CAPTURED, packing
+from attn_doctor.core.layouts import CAPTURED
 from attn_doctor.numerics.inputs import make_inputs
-from attn_doctor.tracing.replay import captured_views, case_of, view_geometry
+from attn_doctor.tracing.replay_case import case_of
+from attn_doctor.tracing.replay_source import CAPTURED_SOURCE, captured_views, view_geometry
+from attn_doctor.tracing.replay_source import captured_packing as packing  # the slots the replay packs into
 from attn_doctor.tracing.store import load_values, read_capture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +94,7 @@ def test_a_packed_thd_call_comes_back_token_for_token_in_its_own_slots(te_stand_
     assert (case.qkv_format, case.mask, case.seqlens, case.pad_between_seqs, case.seq) == (
         "thd", "padding_causal", (5, 3), True, 9)
     assert packing(case).slots_q == (7, 9)  # the call's own slots, not attn-doctor's padding rule
-    x = make_inputs(case, torch.device("cpu"))
+    x = make_inputs(case, torch.device("cpu"), CAPTURED_SOURCE)
     qkv = captured_views(case, x.q, x.k, x.v, "thd")
     values = load_values(call.values_path)
     for name, view in zip("qkv", (qkv.q, qkv.k, qkv.v)):
@@ -209,7 +211,7 @@ def test_a_te_arbitrary_mask_and_bias_are_the_captured_ones(te_stand_in, run_cli
                        core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
     case = case_of(call, tmp_path / "cap")
     assert (case.mask, case.mask_source, case.bias) == ("arbitrary", "captured", "post_scale_bias:1hss")
-    semantics = make_inputs(case, torch.device("cpu")).semantics
+    semantics = make_inputs(case, torch.device("cpu"), CAPTURED_SOURCE).semantics
     assert torch.equal(semantics.allowed, ~hidden) and torch.equal(semantics.bias, bias)
     result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out", tmp_path / "r"])
     assert result.exit_code == 0, result.output
@@ -239,7 +241,7 @@ def test_a_te_softmax_scale_is_the_case_scale_and_a_kernel_that_ignores_it_fails
 
 
 def test_fp8_recipes_replay_when_attn_doctor_runs_them_and_say_why_otherwise():
-    from attn_doctor.tracing.replay import _fp8_recipe
+    from attn_doctor.tracing.replay_case import _fp8_recipe
 
     delayed = {"type": "DelayedScaling", "fp8_dpa": True, "format": "HYBRID", "margin": 0}
     assert _fp8_recipe(delayed) == ("delayed", None)

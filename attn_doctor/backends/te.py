@@ -238,7 +238,7 @@ def forward_arguments(case: Case, semantics: Semantics | None, device: torch.dev
         return {}
     arguments: dict[str, Any] = {}
     if case.padded:  # every format: cu_seqlens (seen on the H200 to work for sbhd on every TE path)
-        packed = layouts.packing(case)
+        packed = layouts.packing(case, semantics.slots)
 
         def lengths(side: str, padded: bool = False) -> torch.Tensor:
             return torch.tensor(packed.cu_seqlens(side, padded), dtype=torch.int32, device=device)

@@ -75,9 +75,21 @@ class BisectReport:
         return repro_name(self.result.start).replace("repro_", "bisect_", 1).removesuffix(".py") + ".json"
 
 
-def start_from_results(path: Path, index: int) -> tuple[Coords, Path]:
+@dataclass(frozen=True)
+class StartRow:
+    """Where a bisect from a results row starts: the row's coordinates and its folder. A replayed row whose
+    capture folder is gone starts from seeded inputs of the call's shapes, laid out contiguously (the `replay`
+    knob's simplification); `missing_capture` then names the folder."""
+
+    coords: Coords
+    directory: Path
+    missing_capture: Path | None = None
+
+
+def start_from_results(path: Path, index: int) -> StartRow:
     """The coordinates of the `index`-th failing row of a results file or sweep folder, and its folder."""
     from attn_doctor.results.log import load_results
+    from attn_doctor.tracing.replay_case import capture_of, readable
 
     report, directory = load_results(path)
     failing = report.failing_rows
@@ -89,7 +101,16 @@ def start_from_results(path: Path, index: int) -> tuple[Coords, Path]:
     if coords.kind is ProbeKind.DISTRIBUTED:
         raise BadInput(f"--row {index} of {path} ran on {coords.nproc} ranks; bisect probes one process (bisect its "
                        "case with --tp to follow the TP shards)")
-    return knobs.coords_at(coords.case, coords.layout, coords.tp, coords.layers, coords.backend), directory
+    start = knobs.coords_at(coords.case, coords.layout, coords.tp, coords.layers, coords.backend)
+    if start.case.replay is None or readable(start.case.replay):
+        return StartRow(start, directory)
+    return StartRow(knobs.CATEGORICAL_BY_NAME["replay"].simplify(start, None), directory, capture_of(start.case.replay))
+
+
+def missing_values(start: StartRow) -> str:
+    """Why a bisect from a replayed row whose capture is gone may find nothing: the values it needs."""
+    return (f"the row failed on the captured call's own values and views, which are needed and missing: its capture "
+            f"{start.missing_capture} is gone (restore the folder, or capture again and replay)")
 
 
 def probe_row(session: Session, coords: Coords) -> Row:

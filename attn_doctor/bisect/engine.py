@@ -26,6 +26,7 @@ from typing import Callable
 
 from attn_doctor.bisect import knobs
 from attn_doctor.core.coords import Coords
+from attn_doctor.results.bisect_record import NOTE_CHARS, Condition, Step
 
 
 # A step's error may differ from the start's by this factor either way and still be the same failure: one
@@ -35,7 +36,6 @@ ERROR_SPAN = 10.0
 
 # A probe's note keeps this many characters of its row's reason (`report` reads older documents' numbers
 # from them: a clause that reaches this length may have been cut).
-NOTE_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -95,26 +95,6 @@ def _same_magnitude(a: float, b: float) -> bool:
     if math.isinf(a) or math.isinf(b) or a <= 0 or b <= 0:
         return a == b
     return 1 / ERROR_SPAN <= a / b <= ERROR_SPAN
-
-
-@dataclass(frozen=True)
-class Step:
-    knob: str
-    tried: str
-    config: str
-    verdict: str
-    fails: bool
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Condition:
-    knob: str
-    failing_value: object
-    passing_value: object
-
-    def sentence(self) -> str:
-        return f"fails at {self.knob} {self.failing_value}, passes at {self.passing_value}"
 
 
 @dataclass

@@ -15,28 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from attn_doctor.core.case import DEFAULT_MASKED_FRACTION, DTYPES, Case
-from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
+from attn_doctor.core.coords import ANY_BACKEND, Coords, ProbeKind, coords_at, knob_dict
 from attn_doctor.core.errors import BadInput
-
-# The backend of coordinates built without one (the engine's own tests, which probe no kernel).
-ANY_BACKEND = BackendSpec("any", "any")
-
-
-def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int = 0,
-              backend: BackendSpec = ANY_BACKEND) -> Coords:
-    """The probe bisect runs for these knob values: an L-layer stack when layers > 0 (TP shards inside
-    each layer), TP shards when tp > 1 (as views when the layout is head_slice, else as copies), else one
-    call on the layout."""
-    if layers > 0:
-        return Coords.depth(case, backend, layers, tp)
-    if tp > 1:
-        return Coords(case, backend, layout, ProbeKind.TP, tp=tp)
-    return Coords.call(case, backend, layout)
-
-
-def knob_dict(coords: Coords) -> dict:
-    """The knobs' values: what a bisect document records of a probe (and what names its repro)."""
-    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
 
 
 def _without_capture(case: Case) -> dict[str, Any]:
@@ -55,8 +35,16 @@ def _rebuilt(coords: Coords, **changes: Any) -> Coords:
 
 
 def _with_case(coords: Coords, **fields: Any) -> Coords:
-    """The coordinates on a case with `fields` changed (BadInput when the case is impossible)."""
-    return _rebuilt(coords, case=Case.from_dict({**coords.case.to_dict(), **fields}))
+    """The coordinates on a case with `fields` changed (BadInput when the case is impossible: a replayed call
+    keeps its captured shapes, which are those of the case it was made as, since no knob changes them)."""
+    case = Case.from_dict({**coords.case.to_dict(), **fields})
+    if case.replay is not None and coords.case.qkv_format != "thd" and _q_elements(case) != _q_elements(coords.case):
+        raise BadInput("a replayed call keeps its captured shapes; drop --replay to change them")
+    return _rebuilt(coords, case=case)
+
+
+def _q_elements(case: Case) -> int:
+    return case.batch * case.seq * case.heads * case.head_dim
 
 
 @dataclass(frozen=True)

@@ -498,7 +498,7 @@ if __name__ == "__main__":
 def _env_lines(env: EnvReport | None) -> str:
     if env is None:
         return "  (not recorded)"
-    from attn_doctor.render.env_view import env_rows
+    from attn_doctor.machine.env_rows import env_rows
 
     return "\n".join(f"  {label}: {value}" for label, value in env_rows(env) if label != "env vars")
 

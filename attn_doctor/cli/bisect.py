@@ -50,7 +50,7 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
                        "stack's seeded weights; drop --inputs or --layers")
     from attn_doctor.backends import select
     from attn_doctor.bisect import knobs
-    from attn_doctor.bisect.driver import BisectRequest, start_from_results
+    from attn_doctor.bisect.driver import BisectRequest, missing_values, start_from_results
     from attn_doctor.bisect.driver import bisect as bisect_workflow
     from attn_doctor.bisect.engine import CannotBisect, NothingToBisect
     from attn_doctor.machine.devices import resolve_device
@@ -58,8 +58,14 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
     from attn_doctor.results.files import check_writable, write_or_keep
     from attn_doctor.results.report import dumps
 
+    row = None
     if from_results is not None:
-        start, directory = start_from_results(from_results, row_index)
+        row = start_from_results(from_results, row_index)
+        start, directory = row.coords, row.directory
+        if row.missing_capture is not None:
+            app.console.print(f"note: the capture {row.missing_capture} of this replayed row is gone: bisecting "
+                              "seeded inputs of the call's shapes instead of its captured values and views",
+                              style="yellow")
     else:
         specs = select(backends, kernels)
         if len(specs) != 1:
@@ -78,7 +84,8 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
     try:
         report = bisect_workflow(request, app.progress())
     except NothingToBisect as exc:
-        console.print(f"nothing to bisect: {exc}", style="bold yellow")
+        why = f"; {missing_values(row)}" if row is not None and row.missing_capture is not None else ""
+        console.print(f"nothing to bisect: {exc}{why}", style="bold yellow")
         return EXIT_FAULT
     except CannotBisect as exc:
         console.print(f"cannot bisect: {exc}", style="bold magenta")

@@ -19,14 +19,14 @@ if TYPE_CHECKING:
 
 def _replayed_dout_unlike_out(row: Row) -> bool:
     """A replayed call's row in its captured layout, whose backward got dO strided unlike out as in the run
-    (`attn_doctor.tracing.replay.dout_unlike_out`); False for every other row, and when the capture is not
+    (`attn_doctor.tracing.replay_source.dout_unlike_out`); False for every other row, and when the capture is not
     here to read (a report read on another machine)."""
     from attn_doctor.core.layouts import CAPTURED
 
     if row.layout != CAPTURED or row.case.replay is None:
         return False
     from attn_doctor.core.errors import BadInput
-    from attn_doctor.tracing.replay import dout_unlike_out
+    from attn_doctor.tracing.replay_source import dout_unlike_out
 
     try:
         return dout_unlike_out(row.case)

@@ -172,7 +172,7 @@ def build_case(options: dict[str, Any]) -> Case:
     if options.get("recipe"):
         fields.update(load_recipe(options["recipe"]).case)
     if options.get("replay"):  # the captured call's case; flags still override (and must keep its shapes)
-        from attn_doctor.tracing.replay import case_of_reference
+        from attn_doctor.tracing.replay_case import case_of_reference
 
         fields.update(case_of_reference(options["replay"]).to_dict())
     for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed", "inputs",
@@ -188,7 +188,12 @@ def build_case(options: dict[str, Any]) -> Case:
     for name in ("seqlens", "seqlens_kv"):
         if options.get(name) is not None:
             fields[name] = tuple(int_list(options[name], name.replace("_", "-")))
-    return make_case(**fields)
+    case = make_case(**fields)
+    if case.replay is not None:
+        from attn_doctor.tracing.replay_case import check_captured_shapes
+
+        check_captured_shapes(case)
+    return case
 
 
 def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]], list[int] | None,

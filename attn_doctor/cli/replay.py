@@ -38,7 +38,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     (seeded ones when only metadata was captured) on its own views (layout `captured`) and contiguous.
     Identical calls (same API, arguments, shapes, strides, dtypes) are checked once and counted."""
     from attn_doctor.machine.devices import check_device_name
-    from attn_doctor.tracing.replay import case_of, values_source
+    from attn_doctor.tracing.replay_case import case_of, values_source
     from attn_doctor.tracing.store import read_capture
 
     check_device_name(device)

@@ -73,8 +73,9 @@ class Case:
     fp8: str = "none"  # TE's FP8 attention recipe: one of FP8_RECIPES
     mask_source: str | None = None  # mask "arbitrary": "random:P"
     scale: float | None = None  # TE's softmax_scale; None: 1/sqrt(head_dim)
-    # A captured call this case replays (`attn_doctor.tracing.replay`): DIR@RANK.PID.INDEX. Its values (when
-    # recorded) replace the seeded ones, and the `captured` layout rebuilds its exact views.
+    # A captured call this case replays (`attn_doctor.tracing.replay_case`): DIR@RANK.PID.INDEX. Its values (when
+    # recorded) replace the seeded ones, and the `captured` layout rebuilds its exact views; both come from the
+    # case's source (`attn_doctor.numerics.source`), so a case that names a call never reads its capture itself.
     replay: str | None = None
 
     def __post_init__(self) -> None:
@@ -338,7 +339,6 @@ def make_case(**fields: Any) -> Case:
     if case.pad_between_seqs and case.qkv_format != "thd":
         raise BadInput("--pad-between-seqs packs padding between sequences of a thd tensor; add --qkv-format thd")
     _check_mask_source(case)
-    _check_replay(case)
     if case.fp8 != "none" and case.dtype == "fp32":
         raise BadInput("FP8 attention takes bf16 or fp16 inputs (TE quantises them); use --dtype bf16 with --fp8")
     return case
@@ -386,24 +386,12 @@ def _check_scale(case: Case) -> Case:
     return dataclasses.replace(case, scale=float(case.scale))
 
 
-def _check_replay(case: Case) -> None:
-    """A replayed call keeps its captured shapes (its values and views have them)."""
-    if case.replay is None:
-        return
-    from attn_doctor.tracing.replay import load_call, native_format
-
-    call = load_call(case.replay)
-    if native_format(call) != "thd" and math.prod(call.meta["tensors"]["q"]["shape"]) != (
-            case.batch * case.seq * case.heads * case.head_dim):
-        raise BadInput("a replayed call keeps its captured shapes; drop --replay to change them")
-
-
 def _check_mask_source(case: Case) -> None:
     if case.mask != "arbitrary":
         if case.mask_source is not None:
             raise BadInput("--mask-source gives the explicit mask of --mask arbitrary; drop it or use that mask")
         return
-    if case.mask_source == "captured":  # a replayed SDPA call's own attn_mask (attn_doctor.tracing.replay)
+    if case.mask_source == "captured":  # a replayed call's own mask (its source's)
         if case.replay is None:
             raise BadInput("--mask-source captured is a replayed call's own mask: use attn-doctor replay")
         return

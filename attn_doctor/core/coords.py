@@ -264,6 +264,27 @@ class Coords:
         return f"attn-doctor run {selector} --layout {shlex.quote(self.layout)} {flags}"
 
 
+# The backend of coordinates built without one (the bisect engine's own tests, which probe no kernel).
+ANY_BACKEND = BackendSpec("any", "any")
+
+
+def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int = 0,
+              backend: BackendSpec = ANY_BACKEND) -> Coords:
+    """The probe for these values of bisect's knobs: an L-layer stack when layers > 0 (TP shards inside each
+    layer), TP shards when tp > 1 (as views when the layout is head_slice, else as copies), else one call on
+    the layout."""
+    if layers > 0:
+        return Coords.depth(case, backend, layers, tp)
+    if tp > 1:
+        return Coords(case, backend, layout, ProbeKind.TP, tp=tp)
+    return Coords.call(case, backend, layout)
+
+
+def knob_dict(coords: Coords) -> dict:
+    """The values of bisect's knobs: what a bisect document records of a probe (and what names its repro)."""
+    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
+
+
 class BadGrid(BadInput, ValueError):
     """A rank grid that cannot be launched (N != tp * cp, an unknown comm type, ...)."""
 

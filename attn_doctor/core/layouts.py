@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # torch is imported where views are built, so that the comman
 
 LAYOUTS = ("contiguous", "sb3hd_packed", "sbh3d_packed", "head_slice", "transposed", "qkv_3hd", "qkv_h3d",
            "kv_2hd", "kv_h2d")
-# A replayed call's own views (`attn_doctor.tracing.replay.captured_views`): the geometry comes from the capture.
+# A replayed call's own views (its source's, `attn_doctor.numerics.source.Source.views`): the capture's geometry.
 CAPTURED = "captured"
 # TE's qkv_layout names, by format, for the packed layouts (what a user knows them as).
 TE_LAYOUT_NAMES = {
@@ -98,13 +98,12 @@ class Packing:
         return totals
 
 
-def packing(case) -> Packing:
-    """The packing of a thd case (`attn_doctor.core.case.Case`); a replayed call's slots are its own."""
+def packing(case, own_slots: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Packing:
+    """The packing of a thd case (`attn_doctor.core.case.Case`): its sequences in `own_slots` (query side, key
+    side: a replayed call's, `attn_doctor.numerics.source.Source.slots`) when given, else in the case's."""
     lengths_q, lengths_kv = case.lengths_q(), case.lengths_kv()
-    if case.replay is not None and case.pad_between_seqs:
-        from attn_doctor.tracing.replay import captured_slots
-
-        return Packing(case.seq, case.seq_kv, lengths_q, lengths_kv, *captured_slots(case))
+    if own_slots is not None:
+        return Packing(case.seq, case.seq_kv, lengths_q, lengths_kv, *own_slots)
     return Packing(case.seq, case.seq_kv, lengths_q, lengths_kv,
                    slots(lengths_q, case.seq, case.pad_between_seqs),
                    slots(lengths_kv, case.seq_kv, case.pad_between_seqs))

@@ -101,12 +101,13 @@ class ReferenceStore:
         from attn_doctor.numerics.inputs import TORCH_DTYPES, make_inputs, synchronize
         from attn_doctor.numerics.reference import attention_reference
         from attn_doctor.probes.stack import float64_replica_dqs
+        from attn_doctor.tracing.replay_source import source_of
 
         device = torch.device(self.device)
         if layers is not None:
             tensors = tuple(float64_replica_dqs(case, layers, device, TORCH_DTYPES[case.dtype], self.on_progress))
         else:
-            inputs = make_inputs(case, device)
+            inputs = make_inputs(case, device, source_of(case))
             reference = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, softmax_scale=case.softmax_scale,
                                             semantics=inputs.semantics)
             tensors = reference.shared()

@@ -46,11 +46,12 @@ def main(argv: list[str]) -> int:
     from attn_doctor.core.errors import KernelError, first_line, is_cuda_fault, kernel_code
     from attn_doctor.execution.shared_reference import open_tensors
     from attn_doctor.probes import Caches, run_probe
+    from attn_doctor.tracing.replay_source import source_of
 
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # TE builds its modules and workspaces on the current device
-    caches = Caches(device)
+    caches = Caches(device, source_of)
     backends: dict[str, object] = {}
     reply({"hello": hello})
 

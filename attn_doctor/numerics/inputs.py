@@ -23,6 +23,7 @@ import torch
 
 from attn_doctor.core.case import Case
 from attn_doctor.numerics.masks import Semantics, alibi_slopes
+from attn_doctor.numerics.source import SEEDED, Source
 
 OUTLIER_SCALE = 20.0  # outliers: the outlier channels' factor
 OUTLIER_EVERY = 32  # outliers: one outlier channel per this many head-dim channels (at least one)
@@ -52,17 +53,15 @@ def outlier_channels(head_dim: int, seed: int) -> list[int]:
     return sorted(torch.randperm(head_dim, generator=torch.Generator().manual_seed(seed))[:count].tolist())
 
 
-def make_inputs(case: Case, device: torch.device) -> Inputs:
-    """Seeded q, k, v of the case's distribution and a standard-normal output gradient (bshd), drawn in fp32
-    on `device` from one generator and rounded to the dtype: cases with equal keys get bitwise-equal inputs,
-    in every process. `normal` draws exactly what it always drew (q, k, v, dout, in that order); the
-    standalone repro (`attn_doctor.bisect.repro`) draws the same, step for step."""
-    if case.replay is not None:  # a captured call: its own values, when they were recorded
-        from attn_doctor.tracing.replay import captured_inputs
-
-        captured = captured_inputs(case, device)
-        if captured is not None:
-            return Inputs(*captured, make_semantics(case, device))
+def make_inputs(case: Case, device: torch.device, source: Source = SEEDED) -> Inputs:
+    """The values `source` has (a replayed call's), else seeded q, k, v of the case's distribution and a
+    standard-normal output gradient (bshd), drawn in fp32 on `device` from one generator and rounded to the
+    dtype: cases with equal keys get bitwise-equal inputs, in every process. `normal` draws exactly what it
+    always drew (q, k, v, dout, in that order); the standalone repro (`attn_doctor.bisect.repro`) draws the
+    same, step for step."""
+    given = source.values(case, device)
+    if given is not None:
+        return Inputs(*given, make_semantics(case, device, source))
     generator = torch.Generator(device=device).manual_seed(case.seed)
     dtype = TORCH_DTYPES[case.dtype]
     b, s, skv, h, hkv, d = case.batch, case.seq, case.seq_kv, case.heads, case.kv_heads, case.head_dim
@@ -111,36 +110,32 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
 
         q, k, v = draw(q_scale, b, s, h, d), draw(k_scale, b, skv, hkv, d), draw(v_scale, b, skv, hkv, dv)
     dout = randn(b, s, h, dv).to(dtype)
-    return Inputs(q, k, v, dout, make_semantics(case, device))
+    return Inputs(q, k, v, dout, make_semantics(case, device, source))
 
 
-def make_semantics(case: Case, device: torch.device) -> Semantics:
-    """The case's explicit mask, bias and sink logits (`attn_doctor.numerics.masks`), seeded:
+def make_semantics(case: Case, device: torch.device, source: Source = SEEDED) -> Semantics:
+    """The case's explicit mask, bias and sink logits (`attn_doctor.numerics.masks`), seeded, and a packed
+    call's own slots when `source` has them:
 
     - arbitrary mask "random:P": each (query, key) pair of each sequence hidden with probability P; "captured":
-      a replayed call's own mask;
-    - post_scale_bias: standard normal in the inputs' dtype (TE takes the bias in the inputs' dtype); a
-      replayed call's own, when its values were captured;
+      `source`'s (a replayed call's own mask);
+    - post_scale_bias: `source`'s (a replayed call's own, when its values were captured), else standard normal
+      in the inputs' dtype (TE takes the bias in the inputs' dtype);
     - alibi: TE's default slopes;
     - off-by-one: sink logits 0; learnable: standard normal sink logits per head, float32 (TE's parameter)."""
-    semantics = Semantics(case)
+    semantics = Semantics(case, slots=source.slots(case))
     if case.mask != "arbitrary" and case.bias == "no_bias" and case.softmax == "vanilla":
         return semantics
     generator = torch.Generator(device=device).manual_seed(case.seed + SIDE_SEED_OFFSET)
     if case.mask == "arbitrary" and case.mask_source == "captured":
-        from attn_doctor.tracing.replay import captured_mask
-
-        semantics.allowed = captured_mask(case, device)
+        semantics.allowed = source.allowed(case, device)
     elif case.mask == "arbitrary":
         draws = torch.rand(case.batch, 1, case.seq, case.seq_kv, generator=generator, device=device)
         semantics.allowed = draws >= case.masked_fraction
     if case.bias == "alibi":
         semantics.alibi_slopes = alibi_slopes(case.heads).to(device)
     elif case.bias != "no_bias":
-        if case.replay is not None:
-            from attn_doctor.tracing.replay import captured_bias
-
-            semantics.bias = captured_bias(case, device)
+        semantics.bias = source.bias(case, device)
         if semantics.bias is None:
             semantics.bias = torch.randn(case.bias_shape, generator=generator, device=device).to(
                 TORCH_DTYPES[case.dtype])

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from attn_doctor.core.case import Case
+from attn_doctor.numerics.source import Slots
 
 TOP_LEFT_MASKS = ("causal", "padding_causal")
 BOTTOM_RIGHT_MASKS = ("causal_bottom_right", "padding_causal_bottom_right")
@@ -107,13 +108,16 @@ class Semantics:
     """Everything beyond q, k, v that decides an attention's result, as tensors on the inputs' device.
 
     `allowed` [batch, 1, seq_q, seq_kv] is the explicit mask of `arbitrary` (True = visible); `bias`
-    broadcasts to [batch, heads, seq_q, seq_kv]; `sink` [heads] holds the sink logits (zeros for off-by-one)."""
+    broadcasts to [batch, heads, seq_q, seq_kv]; `sink` [heads] holds the sink logits (zeros for off-by-one);
+    `slots` a packed call's own slots (query side, key side) where its source has them (a replayed call's),
+    else None: the case's (`attn_doctor.core.layouts.packing`)."""
 
     case: Case
     allowed: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None  # float64 [heads]
     sink: torch.Tensor | None = None
+    slots: Slots | None = None
 
     @property
     def learnable_sink(self) -> bool:

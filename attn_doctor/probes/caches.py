@@ -19,6 +19,7 @@ from attn_doctor.numerics.inputs import (
     synchronize,
 )
 from attn_doctor.numerics.reference import Reference, attention_reference
+from attn_doctor.numerics.source import SourceOf, seeded
 
 # Called with a short description as a long probe advances (a depth stack's layers).
 Progress = Callable[[str], None]
@@ -28,8 +29,9 @@ class CaseCache:
     """Inputs and reference of the most recent case. `reference_seconds` is what getting the reference cost
     this process; `reference_source` says how ("shared" or "computed")."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, source_of: SourceOf = seeded):
         self.device = device
+        self.source_of = source_of
         self._key: tuple | None = None
         self._inputs: Inputs | None = None
         self._reference: Reference | None = None
@@ -40,7 +42,7 @@ class CaseCache:
     def get(self, case: Case) -> tuple[Inputs, Reference]:
         if case.key() != self._key:
             self._inputs = self._reference = None  # free the previous case before building the next
-            inputs = make_inputs(case, self.device)
+            inputs = make_inputs(case, self.device, self.source_of(case))
             start = time.perf_counter()
             self.reference_source = "shared" if self.shared is not None else "computed"
             if self.shared is not None:
@@ -109,11 +111,13 @@ class DepthCache:
 
 
 class Caches:
-    """Every cache of one worker process, and the shared reference the current job carried."""
+    """Every cache of one worker process, the shared reference the current job carried, and where a case's
+    numbers come from (`source_of`: seeded, or for a replayed case its capture's)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, source_of: SourceOf = seeded):
         self.device = device
-        self.case = CaseCache(device)
+        self.source_of = source_of
+        self.case = CaseCache(device, source_of)
         self.depth = DepthCache(device)
 
     def share(self, tensors: tuple[torch.Tensor, ...] | None) -> None:

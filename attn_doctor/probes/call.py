@@ -66,13 +66,12 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     inputs, reference = caches.case.get(case)
     seconds = {"reference": caches.case.reference_seconds, "kernel": 0.0, "compare": 0.0}
     fmt = backend.format_for(case)
-    packed = layouts.packing(case) if fmt == "thd" else None
+    packed = layouts.packing(case, inputs.semantics.slots) if fmt == "thd" else None
     dout = None
     if coords.layout == layouts.CAPTURED:
-        from attn_doctor.tracing.replay import captured_dout, captured_views
-
-        qkv = captured_views(case, inputs.q, inputs.k, inputs.v, fmt)
-        dout = captured_dout(case, inputs.dout)  # dO as the run's backward got it, when captured
+        source = caches.source_of(case)
+        qkv = source.views(case, inputs.q, inputs.k, inputs.v, fmt)
+        dout = source.dout(case, inputs.dout)  # dO as the run's backward got it, when captured
     else:
         qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
     if dout is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 from html import escape
 
-from attn_doctor.render.env_view import env_rows
+from attn_doctor.machine.env_rows import env_rows
 from attn_doctor.render.format import (
     REPEATS_NOTE,
     TENSOR_TITLES,

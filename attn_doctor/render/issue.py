@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 
-from attn_doctor.bisect.engine import Condition
+from attn_doctor.results.bisect_record import Condition
 from attn_doctor.render.fit import GITHUB_LIMIT, SLACK, Section, fit_sections
 from attn_doctor.render.format import TENSOR_TITLES, ratio, sci
 from attn_doctor.render.markdown import (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from attn_doctor.core.coords import ProbeKind
 from attn_doctor.machine.fingerprint import EnvReport, Fact
-from attn_doctor.render.env_view import fact_cell
+from attn_doctor.machine.env_rows import fact_cell
 from attn_doctor.render.format import display_rows
 from attn_doctor.results.bisect_record import BisectRecord
 from attn_doctor.results.report import RunReport

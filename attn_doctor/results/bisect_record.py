@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attn_doctor.bisect.engine import NOTE_CHARS, Condition, Step
 from attn_doctor.core.case import Case
-from attn_doctor.core.coords import BackendSpec, Coords
+from attn_doctor.core.coords import BackendSpec, Coords, coords_at, knob_dict
 from attn_doctor.core.errors import BadInput
 from attn_doctor.machine.fingerprint import EnvReport
 from attn_doctor.results.report import RunReport
@@ -36,6 +35,31 @@ BISECT_FORMAT = "attn-doctor/bisect"
 BISECT_FORMAT_VERSION = 1
 BISECT_KEYS = ("start_case", "minimal_case", "necessary", "probes")  # what every bisect document has
 REPRO_NAME = re.compile(r"repro_[\w.-]+\.py")  # `attn_doctor.bisect.repro.repro_name`
+NOTE_CHARS = 200  # a probe's note is cut at this many characters
+
+
+@dataclass(frozen=True)
+class Step:
+    """One probe of a bisect: the knob moved, the value tried, the probe's coordinates, and how it came out."""
+
+    knob: str
+    tried: str
+    config: str
+    verdict: str
+    fails: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A necessary condition: the knob fails at one value and passes at the plainer one."""
+
+    knob: str
+    failing_value: object
+    passing_value: object
+
+    def sentence(self) -> str:
+        return f"fails at {self.knob} {self.failing_value}, passes at {self.passing_value}"
 
 
 @dataclass
@@ -75,8 +99,6 @@ class BisectRecord:
 
     def started_from(self, row: Row) -> bool:
         """Whether this bisect started from `row` (as `bisect --from` takes a results row)."""
-        from attn_doctor.bisect.knobs import coords_at
-
         return row.backend == self.tested and _same_probe(
             coords_at(row.case, row.layout, row.coords.tp, row.coords.layers, row.coords.backend), self.start)
 
@@ -87,8 +109,6 @@ class BisectRecord:
 
 
 def _same_probe(a: Coords, b: Coords) -> bool:
-    from attn_doctor.bisect.knobs import knob_dict
-
     return knob_dict(a) == knob_dict(b)
 
 
@@ -137,8 +157,6 @@ def _backend_spec(document: dict[str, Any]) -> BackendSpec:
 
 
 def _coords(knobs: dict[str, Any], spec: BackendSpec) -> Coords:
-    from attn_doctor.bisect.knobs import coords_at
-
     return coords_at(Case.from_dict(knobs["case"]), str(knobs["layout"]), int(knobs["tp"]), int(knobs["layers"]),
                      spec)
 
@@ -248,7 +266,7 @@ def _rebuild(record: BisectRecord) -> None:
 
 def _header_env(script: str) -> EnvReport | None:
     """The machine a repro script was made on, from its header's "Environment it was made on:" lines."""
-    from attn_doctor.render.env_view import env_from_rows
+    from attn_doctor.machine.env_rows import env_from_rows
 
     lines = script.split("Environment it was made on:\n", 1)
     if len(lines) < 2:

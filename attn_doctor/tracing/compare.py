@@ -36,7 +36,8 @@ from attn_doctor.core import layouts
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
 from attn_doctor.numerics.masks import valid_tokens
-from attn_doctor.tracing.replay import as_bshd, case_of, native_format, with_heads
+from attn_doctor.tracing.replay_case import case_of, native_format
+from attn_doctor.tracing.replay_source import CAPTURED_SOURCE, as_bshd, captured_packing, with_heads
 from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
 
 TENSORS = ("out", "dq", "dk", "dv")
@@ -157,7 +158,7 @@ def _shard_tensors(call: CapturedCall, root: Path) -> tuple[dict[str, torch.Tens
     raw = _raw(call, case)
     got = {name: raw[name] for name in TENSORS if name in raw}
     reference = attention_reference(raw["q"], raw["k"], raw["v"], raw["dout"], softmax_scale=case.softmax_scale,
-                                    semantics=make_semantics(case, raw["q"].device), with_terms=False)
+                                    semantics=make_semantics(case, raw["q"].device, CAPTURED_SOURCE), with_terms=False)
     exact = {name: getattr(reference, name) for name in got}
     return got, exact, torch.finfo(raw["q"].dtype).eps
 
@@ -175,7 +176,7 @@ def _raw(call: CapturedCall, case: Case | None = None, cp_share: tuple[int, int]
     `cp_share` (cp, cp_rank) the packed call is that CP rank's share of the whole call `case` describes: its
     tokens go to their places in the whole (`_cp_token_places`), every other token is zero."""
     fmt = native_format(call)
-    packed = layouts.packing(case) if fmt == "thd" else None
+    packed = captured_packing(case) if fmt == "thd" else None
     values, dout = load_values(call.values_path), load_values(call.dout_path)["dout"]
     out, dout = (with_heads(t, values["q"]) for t in (values["out"], dout))
     recorded = {"q": values["q"], "k": values["k"], "v": values["v"], "out": out, "dout": dout}
@@ -344,7 +345,7 @@ def _cp_rank_tokens(packed_case: Case | None, seqs: tuple[int, int], cp: int, cp
     if packed_case is None:
         return {side: torch.zeros(seq, dtype=torch.bool, device=device).index_fill(
             0, _cp_token_places((seq,), cp, cp_rank).to(device), True)[None] for side, seq in zip(("q", "kv"), seqs)}
-    packed = layouts.packing(packed_case)
+    packed = captured_packing(packed_case)
     valid = dict(zip(("q", "kv"), valid_tokens(packed_case, device)))
     owned = {}
     for side, slots in (("q", packed.slots_q), ("kv", packed.slots_kv)):

@@ -42,6 +42,18 @@ def faulty_kernel(q, k, v, *, causal, softmax_scale):
     return out.transpose(1, 2)
 
 
+def faulty_on_large_inputs_kernel(q, k, v, *, causal, softmax_scale):
+    """A --kernel (bshd tensors) that drops the last key only where q holds entries far beyond a standard
+    normal's (a captured call's own values can; attn-doctor's seeded inputs of the same shapes cannot)."""
+    if float(q.detach().abs().amax()) <= LARGE_INPUT:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=causal, scale=softmax_scale).transpose(1, 2)
+    return faulty_kernel(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+LARGE_INPUT = 10.0  # faulty_on_large_inputs_kernel's trigger: |q| beyond any standard-normal draw of a test
+
+
 def dout_recording_kernel(q, k, v, *, causal, softmax_scale):
     """A correct --kernel (bshd tensors) that appends the shape and strides of the output gradient its backward
     gets to the file $TINY_GPT_DOUT_LOG, a line each."""

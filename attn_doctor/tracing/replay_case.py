@@ -1,9 +1,7 @@
-"""Replaying captured calls: each distinct call becomes a case (its shapes, dtype, mask, window, lengths, kv
-heads, bias, softmax type and scale, FP8 recipe) that names the call (`Case.replay`), fed the captured values
-when they were recorded (seeded ones otherwise) and, on the `captured` layout, the call's exact memory: every
-tensor a view with the captured shape, strides and storage offset into a storage of the captured size, q, k, v
-sharing one storage when they did. A path that takes another format than the captured call's gets the same
-values on the other layouts.
+"""A captured call as a case: each distinct call becomes a `Case` (its shapes, dtype, mask, window, lengths, kv
+heads, bias, softmax type and scale, FP8 recipe) that names the call (`Case.replay`: DIR@RANK.PID.INDEX), and
+what a captured call's arguments mean. Serving the call's numbers while probes run is
+`attn_doctor.tracing.replay_source`; a case, once made, needs its capture only for its numbers.
 
 What each API's arguments mean here:
 - SDPA: a boolean attn_mask (True = attend) or a float one (its -inf entries mask, the rest is a bias) becomes
@@ -25,20 +23,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attn_doctor.core import layouts
 from attn_doctor.core.case import Case, make_case
 from attn_doctor.core.errors import BadInput
-from attn_doctor.core.layouts import QKV
 from attn_doctor.numerics.inputs import TORCH_DTYPES
-from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
+from attn_doctor.tracing.store import HEADER, CapturedCall, load_values, read_capture
 
-DTYPES = {str(dtype).removeprefix("torch."): name for name, dtype in TORCH_DTYPES.items()}  # "bfloat16" -> bf16
+# attn-doctor's dtype names by torch's, as a capture records them: "bfloat16" -> "bf16".
+DTYPE_BY_TORCH_NAME = {str(dtype).removeprefix("torch."): name for name, dtype in TORCH_DTYPES.items()}
 
 
 def reference_of(root: Path, call: CapturedCall) -> str:
@@ -49,6 +45,23 @@ def reference_of(root: Path, call: CapturedCall) -> str:
 @functools.lru_cache(maxsize=64)
 def _calls(root: str) -> dict[tuple[int, int, int], CapturedCall]:
     return {(c.rank, c.meta["process"]["pid"], c.index): c for c in read_capture(Path(root))}
+
+
+def capture_of(reference: str) -> Path:
+    """The capture folder a `Case.replay` reference names."""
+    return Path(reference.rpartition("@")[0])
+
+
+def readable(reference: str) -> bool:
+    """Whether the call a reference names can be read here (its capture folder may have been moved away since
+    this process read it: the folder is looked for on disk, not in what was read)."""
+    if not (capture_of(reference) / HEADER).is_file():
+        return False
+    try:
+        load_call(reference)
+    except BadInput:
+        return False
+    return True
 
 
 def load_call(reference: str) -> CapturedCall:
@@ -80,11 +93,11 @@ def _offsets(argument: Any) -> list[int] | None:
     return list(argument["values"]) if isinstance(argument, dict) and "values" in argument else None
 
 
-def _lengths(offsets: list[int] | None) -> tuple[int, ...] | None:
+def lengths_of(offsets: list[int] | None) -> tuple[int, ...] | None:
     return None if offsets is None else tuple(b - a for a, b in zip(offsets, offsets[1:]))
 
 
-def _packed_offsets(call: CapturedCall) -> dict[str, tuple[list[int] | None, list[int] | None]]:
+def packed_offsets(call: CapturedCall) -> dict[str, tuple[list[int] | None, list[int] | None]]:
     """A packed call's sequence offsets and slot offsets, per side (q, kv): TE's cu_seqlens_*_padded, or the
     side's cu_seqlens when it has none (as TE takes them); flash-attn's varlen calls have no slots of their
     own. A call without cu_seqlens_kv uses the query side's."""
@@ -105,7 +118,7 @@ def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
         if meta["arguments"].get("qkv_layer") is not None or meta["arguments"].get("kv_layer") is not None:
             return "TE's packed qkv_layer/kv_layer, captured without the views TE selects from it: capture again"
         return "q, k and v were not all tensors"
-    dtype = DTYPES.get(meta["tensors"]["q"]["dtype"])
+    dtype = DTYPE_BY_TORCH_NAME.get(meta["tensors"]["q"]["dtype"])
     if dtype is None:
         return f"dtype {meta['tensors']['q']['dtype']} (attn-doctor checks bf16, fp16, fp32)"
     fields: dict[str, Any] = dict(dtype=dtype, seed=seed, replay=reference_of(root, call))
@@ -137,10 +150,10 @@ def _sdpa_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
                   mask="causal" if args.get("is_causal") else "no_mask", scale=args.get("scale"))
     if args.get("attn_mask") is None:
         return None
-    mask = _captured_tensor(call, "attn_mask")
+    mask = captured_tensor(call, "attn_mask")
     if isinstance(mask, str):
         return mask
-    hidden = ~_sdpa_visible(mask)
+    hidden = ~sdpa_visible(mask)
     if hidden.any():
         if _per_head(hidden):
             return "a per-head attn_mask (attn-doctor's explicit mask is the same for every head)"
@@ -216,7 +229,7 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
     fields.update(batch=b, seq=s, seq_kv=shapes["k"][order[1]], heads=shapes["q"][2], head_dim=shapes["q"][3],
                   kv_heads=shapes["k"][2], head_dim_v=shapes["v"][3])
     if mask == "arbitrary":
-        allowed = _te_arbitrary_mask(call)
+        allowed = te_arbitrary_mask(call)
         if isinstance(allowed, str):
             return allowed
         fields["mask_source"] = "captured"
@@ -231,15 +244,15 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
 
 def _thd_fields(call: CapturedCall, shapes: dict, fields: dict, max_q: int | None,
                 max_kv: int | None) -> str | None:
-    """A packed call's sequences: lengths from cu_seqlens, slots from the padded offsets (`_packed_offsets`);
+    """A packed call's sequences: lengths from cu_seqlens, slots from the padded offsets (`packed_offsets`);
     every token of the packed tensors must sit in a sequence's slot."""
     sides = {}
-    offsets_by_side = _packed_offsets(call)
+    offsets_by_side = packed_offsets(call)
     for side, tokens, longest in (("q", shapes["q"][0], max_q), ("kv", shapes["k"][0], max_kv)):
         offsets, slot_offsets = offsets_by_side[side]
         if offsets is None:
             return f"thd without the values of cu_seqlens_{side}"
-        lengths, slots = _lengths(offsets), _lengths(slot_offsets)
+        lengths, slots = lengths_of(offsets), lengths_of(slot_offsets)
         if len(slots) != len(lengths) or slot_offsets[0] != 0 or any(n > m for n, m in zip(lengths, slots)):
             return f"cu_seqlens_{side}_padded {slot_offsets} that do not hold the sequences {offsets}"
         if slot_offsets[-1] != tokens:
@@ -253,12 +266,6 @@ def _thd_fields(call: CapturedCall, shapes: dict, fields: dict, max_q: int | Non
     if lengths_kv != lengths_q or seq_kv != seq:
         fields["seqlens_kv"] = lengths_kv
     return None
-
-
-def captured_slots(case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A replayed thd call's slots (query side, key side): its padded offsets' differences."""
-    offsets = _packed_offsets(load_call(case.replay))
-    return _lengths(offsets["q"][1]), _lengths(offsets["kv"][1])
 
 
 def _fp8_recipe(recipe: Any) -> tuple[str, str | None]:
@@ -287,7 +294,7 @@ def _bias_shape(shape: list[int]) -> str:
     return {"b11s": "b1ss", "1h1s": "1hss", "bh1s": "bhss"}.get(name, name)
 
 
-def _sdpa_visible(mask: torch.Tensor) -> torch.Tensor:
+def sdpa_visible(mask: torch.Tensor) -> torch.Tensor:
     """The pairs SDPA's attn_mask lets through: True in a boolean mask, every entry but -inf in a float one."""
     return mask if mask.dtype == torch.bool else mask != -math.inf
 
@@ -297,7 +304,7 @@ def _per_head(hidden: torch.Tensor) -> bool:
     return full.shape[1] > 1 and bool((full != full[:, :1]).any())
 
 
-def _captured_tensor(call: CapturedCall, name: str) -> torch.Tensor | str:
+def captured_tensor(call: CapturedCall, name: str) -> torch.Tensor | str:
     """An argument's captured values, or why they are missing."""
     if call.values_path is None:
         return f"{'an' if name[0] in 'aeiou' else 'a'} {name} whose values were not captured (capture with --values)"
@@ -308,9 +315,9 @@ def _captured_tensor(call: CapturedCall, name: str) -> torch.Tensor | str:
     return parts if parts else f"{name} whose values were not captured"
 
 
-def _te_arbitrary_mask(call: CapturedCall) -> torch.Tensor | str:
+def te_arbitrary_mask(call: CapturedCall) -> torch.Tensor | str:
     """TE's arbitrary attention_mask (True = masked out) as the pairs it lets through."""
-    mask = _captured_tensor(call, "attention_mask")
+    mask = captured_tensor(call, "attention_mask")
     if isinstance(mask, str):
         return mask
     if isinstance(mask, list) or mask.dtype != torch.bool:
@@ -325,12 +332,12 @@ def _te_padding_lengths(call: CapturedCall) -> tuple[tuple[int, ...], tuple[int,
     [b, 1, 1, s] mask, or one for the queries and one for the keys; True = padding). TE's fused and flash paths
     read only how many tokens each mask lets through, so a mask must be right padding to mean one call."""
     args = call.meta["arguments"]
-    lengths_q = _lengths(_offsets(args.get("cu_seqlens_q")))
+    lengths_q = lengths_of(_offsets(args.get("cu_seqlens_q")))
     if lengths_q is not None:
-        return lengths_q, _lengths(_offsets(args.get("cu_seqlens_kv"))) or lengths_q
+        return lengths_q, lengths_of(_offsets(args.get("cu_seqlens_kv"))) or lengths_q
     if args.get("attention_mask") is None:
         return "a padding mask without cu_seqlens or attention_mask"
-    masks = _captured_tensor(call, "attention_mask")
+    masks = captured_tensor(call, "attention_mask")
     if isinstance(masks, str):
         return masks
     masks = masks if isinstance(masks, list) else [masks, masks]
@@ -347,183 +354,28 @@ def _te_padding_lengths(call: CapturedCall) -> tuple[tuple[int, ...], tuple[int,
 def case_of_reference(reference: str) -> Case:
     """The case of the call `reference` names (bad input when it cannot be replayed)."""
     call = load_call(reference)
-    case = case_of(call, Path(reference.rpartition("@")[0]))
+    case = case_of(call, capture_of(reference))
     if isinstance(case, str):
         raise BadInput(f"--replay {reference}: this call cannot be replayed yet: {case}")
     return case
-
-
-def captured_mask(case: Case, device: torch.device) -> torch.Tensor:
-    """The call's explicit mask as attn-doctor's allowed pairs [b, 1, s, s_kv] (True = attend): SDPA's boolean
-    attn_mask, the finite entries of its float one, or the complement of TE's arbitrary attention_mask."""
-    call = load_call(case.replay)
-    if call.meta["api"] == "te.DotProductAttention":
-        allowed = _te_arbitrary_mask(call)
-    else:
-        allowed = _sdpa_visible(_captured_tensor(call, "attn_mask"))
-    allowed = allowed.to(device)
-    allowed = allowed.reshape([1] * (4 - allowed.dim()) + list(allowed.shape))[:, :1]
-    return allowed.expand(case.batch, 1, case.seq, case.seq_kv).clone()
-
-
-def captured_bias(case: Case, device: torch.device) -> torch.Tensor | None:
-    """The call's additive bias in the shape of `case.bias` and the inputs' dtype (SDPA's float attn_mask
-    with its -inf entries zeroed, or TE's core_attention_bias), or None when its values were not recorded
-    (a seeded bias of its shape stands in, as seeded q, k, v do)."""
-    call = load_call(case.replay)
-    name = "core_attention_bias" if call.meta["api"] == "te.DotProductAttention" else "attn_mask"
-    bias = _captured_tensor(call, name)
-    if not isinstance(bias, torch.Tensor):
-        return None
-    bias = bias.masked_fill(~_sdpa_visible(bias), 0).to(device)  # the masked pairs are the mask's
-    bias = bias.reshape([1] * (4 - bias.dim()) + list(bias.shape))
-    return bias.expand(case.bias_shape).to(TORCH_DTYPES[case.dtype]).clone()
-
-
-def captured_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...] | None:
-    """q, k, v and dout (bshd, on `device`) as the call saw them, or None when the plain seeded inputs stand in.
-
-    - Recorded values come back as they were; a packed (thd) call's tokens at their sequences' places in the
-      padded tensors, slot padding too. A call whose backward was not recorded gets a seeded output gradient.
-    - Without values, q, k, v that share a storage are read through their views from one seeded storage, so
-      views that alias (q is k, overlapping slices) hold the same numbers, as they did in the run."""
-    call = load_call(case.replay)
-    fmt = native_format(call)
-    if call.values_path is not None:
-        values = load_values(call.values_path, lambda key: key in ("q", "k", "v"))
-        q, k, v = values["q"], values["k"], values["v"]
-    elif _shares_storage(call):
-        q, k, v = _seeded_through_storages(case, call)
-    else:
-        return None
-    packed = layouts.packing(case) if fmt == "thd" else None
-    native_q = q
-    q, k, v = (as_bshd(t.to(device), fmt, packed, side) for t, side in ((q, "q"), (k, "kv"), (v, "kv")))
-    if call.dout_path is not None:
-        dout = as_bshd(with_heads(load_values(call.dout_path)["dout"], native_q).to(device), fmt, packed, "q")
-    else:
-        generator = torch.Generator(device=device).manual_seed(case.seed + 1)
-        dout = torch.randn(case.batch, case.seq, case.heads, case.head_dim_v, generator=generator,
-                           device=device).to(TORCH_DTYPES[case.dtype])
-    return q, k, v, dout
 
 
 def values_source(call: CapturedCall) -> str:
     """Where a replay of the call takes its numbers from, in words (`captured_inputs`)."""
     if call.values_path is not None:
         return "captured values" if call.dout_path is not None else "captured q, k, v, seeded output gradient"
-    return "seeded values" + (" (through the shared storage)" if _shares_storage(call) else "")
+    return "seeded values" + (" (through the shared storage)" if shares_storage(call) else "")
 
 
-def _shares_storage(call: CapturedCall) -> bool:
+def shares_storage(call: CapturedCall) -> bool:
     ids = [call.meta["tensors"][name]["storage"]["id"] for name in "qkv"]
     return len(set(ids)) < 3
 
 
-def _storage_views(call: CapturedCall, dtype: torch.dtype,
-                   new_storage: Callable[[int], torch.Tensor]) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
-    """The call's q, k, v views (exact shapes, strides, storage offsets) into one new storage per captured
-    storage id, of its captured size (`new_storage(elements)`, made in q, k, v's order); and those storages."""
-    element = torch.empty((), dtype=dtype).element_size()
-    storages: dict[int, torch.Tensor] = {}
-    views = []
-    for name in "qkv":
-        meta = call.meta["tensors"][name]
-        sid = meta["storage"]["id"]
-        if sid not in storages:
-            storages[sid] = new_storage(meta["storage"]["nbytes"] // element)
-        views.append(storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"]))
-    return storages, views
-
-
-def _seeded_through_storages(case: Case, call: CapturedCall) -> list[torch.Tensor]:
-    """q, k, v read through the call's views from standard-normal storages of the captured sizes (seeded)."""
-    generator = torch.Generator().manual_seed(case.seed)
-    dtype = TORCH_DTYPES[case.dtype]
-    _, views = _storage_views(call, dtype, lambda elements: torch.randn(elements, generator=generator).to(dtype))
-    return [view.clone() for view in views]
-
-
-def as_bshd(t: torch.Tensor, fmt: str, packed: layouts.Packing | None = None, side: str = "q") -> torch.Tensor:
-    """A captured tensor in its call's format (`native_format`) as bshd (thd: scattered by `packed`)."""
-    return t.transpose(1, 2) if fmt == "bhsd" else layouts.to_bshd(t, fmt, packed, side)
-
-
-def with_heads(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """An output (or its gradient) in q's layout with its own head dim: TE returns heads flattened, [s, b, h*dv]."""
-    return t.reshape(*q.shape[:-1], -1)
-
-
-def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str) -> QKV:
-    """q, k, v (bshd values) as views with the call's exact shapes, strides and storage offsets into storages
-    of the captured sizes, presented in `fmt` (SDPA's bhsd views are presented as their bshd transposes, so a
-    path that takes bshd and transposes, as SDPA's do, hands the kernel the captured views; a packed call's
-    views hold its tokens where the capture had them)."""
-    from attn_doctor.backends import Unsupported
-
+def check_captured_shapes(case: Case) -> None:
+    """A replayed call keeps its captured shapes (its values and views have them): a case that names a call
+    but was given other shapes (`run --replay REF --seq N`) is bad input."""
     call = load_call(case.replay)
-    native = native_format(call)
-    presented = "bshd" if native == "bhsd" else native
-    if presented != fmt:
-        raise Unsupported(f"the captured views are {native}; this path takes {fmt} (its other layouts have the "
-                          "same values)")
-    packed = layouts.packing(case) if native == "thd" else None
-    dtype = TORCH_DTYPES[case.dtype]
-    storages, views = _storage_views(call, dtype, lambda elements: torch.zeros(elements, dtype=dtype, device=q.device))
-    for view, values, side in zip(views, (q, k, v), ("q", "kv", "kv")):
-        with torch.no_grad():
-            view.copy_(values.permute(0, 2, 1, 3) if native == "bhsd" else layouts.to_format(values, native, packed,
-                                                                                              side))
-    leaves = {sid: buffer.requires_grad_() for sid, buffer in storages.items()}
-    views = [leaves[call.meta["tensors"][name]["storage"]["id"]].as_strided(
-        view.shape, view.stride(), view.storage_offset()) for name, view in zip("qkv", views)]
-    if native == "bhsd":
-        views = [view.transpose(1, 2) for view in views]
-    return QKV(*views, leaves=tuple(leaves.values()))
-
-
-def captured_dout(case: Case, dout: torch.Tensor) -> torch.Tensor | None:
-    """The output gradient (`dout`: bshd values) as a view with the geometry the call's backward got in the run
-    (the captured dO's shape, strides and storage offset, into a storage of its captured size), presented in the
-    format `captured_views` presents q, k, v in: the path's backward then reads it as the run's kernel did (a
-    dO whose layout differs from out's is a known way to get wrong gradients). None when the capture has no dO
-    geometry (no backward reached the call, or an older capture) or one that cannot hold these values (an
-    expanded dO, whose elements share memory, holds one value per broadcast row), and for thd calls: their dO
-    stands contiguous."""
-    call = load_call(case.replay)
-    meta = call.meta["tensors"].get("dout")
-    native = native_format(call)
-    dtype = TORCH_DTYPES[case.dtype]
-    if meta is None or native == "thd" or meta["dtype"] != str(dtype).removeprefix("torch."):
-        return None
-    values = dout.permute(0, 2, 1, 3) if native == "bhsd" else layouts.to_format(dout, native)
-    element = torch.empty((), dtype=dtype).element_size()
-    storage = torch.zeros(meta["storage"]["nbytes"] // element, dtype=dtype, device=dout.device)
-    try:
-        view = storage.as_strided(meta["shape"], meta["stride"], meta["storage_offset"])
-        if view.dim() == values.dim() - 1:  # TE's heads flattened, [b, s, h*d]: split as its backward does
-            view = view.unflatten(-1, values.shape[-2:])
-        if view.shape != values.shape:
-            return None
-        view.copy_(values)
-    except RuntimeError:  # outside its storage, or elements sharing memory (the expanded gradient of a sum),
-        return None  # which cannot hold these values
-    return view.transpose(1, 2) if native == "bhsd" else view
-
-
-def dout_unlike_out(case: Case) -> bool:
-    """Whether the captured layout hands the call's backward a dO strided unlike its out (`captured_dout`): the
-    condition of known defects (a kernel reading dO with O's strides). Dims of size 1 have no stride that counts;
-    an expanded dO (a zero stride) stands contiguous in a replay, so it is not."""
-    call = load_call(case.replay)
-    dout, out = call.meta["tensors"].get("dout"), call.meta["tensors"].get("out")
-    if dout is None or out is None or native_format(call) == "thd" or dout["shape"] != out["shape"]:
-        return False
-    counted = [(a, b) for size, a, b in zip(dout["shape"], dout["stride"], out["stride"]) if size > 1]
-    return all(a != 0 for a, _ in counted) and any(a != b for a, b in counted)
-
-
-def view_geometry(t: torch.Tensor) -> dict[str, Any]:
-    """What replay promises to reproduce of a captured tensor (compare with its metadata)."""
-    return {"shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
-            "storage_nbytes": t.untyped_storage().nbytes()}
+    if native_format(call) != "thd" and math.prod(call.meta["tensors"]["q"]["shape"]) != (
+            case.batch * case.seq * case.heads * case.head_dim):
+        raise BadInput("a replayed call keeps its captured shapes; drop --replay to change them")
