@@ -22,15 +22,23 @@ from attn_doctor.core.errors import BadInput
 ANY_BACKEND = BackendSpec("any", "any")
 
 
+def kind_at(tp: int, layers: int) -> ProbeKind:
+    """The kind of probe bisect runs for these knob values: an L-layer stack when layers > 0, TP shards when
+    tp > 1, else one call."""
+    if layers > 0:
+        return ProbeKind.DEPTH
+    return ProbeKind.TP if tp > 1 else ProbeKind.CALL
+
+
 def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int = 0,
               backend: BackendSpec = ANY_BACKEND) -> Coords:
-    """The probe bisect runs for these knob values: an L-layer stack when layers > 0 (TP shards inside
-    each layer), TP shards when tp > 1 (as views when the layout is head_slice, else as copies), else one
-    call on the layout."""
-    if layers > 0:
+    """The probe bisect runs for these knob values (`kind_at`): an L-layer stack (TP shards inside each
+    layer), TP shards (as views when the layout is head_slice, else as copies), or one call on the layout."""
+    kind = kind_at(tp, layers)
+    if kind is ProbeKind.DEPTH:
         return Coords.depth(case, backend, layers, tp)
-    if tp > 1:
-        return Coords(case, backend, layout, ProbeKind.TP, tp=tp)
+    if kind is ProbeKind.TP:
+        return Coords(case, backend, layout, kind, tp=tp)
     return Coords.call(case, backend, layout)
 
 
@@ -232,5 +240,5 @@ def value(coords: Coords, knob: str) -> Any:
     return spec.value(coords)
 
 
-__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "knob_dict", "moves",
-           "valid", "value"]
+__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "kind_at",
+           "knob_dict", "moves", "valid", "value"]
