@@ -40,10 +40,22 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The package's modules `path` imports, wherever the import stands (module level or in a function)."""
+def _type_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements under `if TYPE_CHECKING:` (names for annotations, never imported at run time)."""
+    guarded = [node for node in ast.walk(tree) if isinstance(node, ast.If)
+               and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
+    return {inner for node in guarded for inner in ast.walk(node) if isinstance(inner, (ast.Import, ast.ImportFrom))}
+
+
+def _imports(path: Path, modules: set[str], with_type_only: bool) -> set[str]:
+    """The package's modules `path` imports, wherever the import stands (module level or in a function), and
+    with `with_type_only` those imported for annotations alone too."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = set() if with_type_only else _type_only(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -54,12 +66,13 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(with_type_only: bool) -> dict[str, set[str]]:
     paths = {_module(path): path for path in PACKAGE.rglob("*.py")}
-    return {module: _imports(path, set(paths)) - {module} for module, path in paths.items()}
+    return {module: _imports(path, set(paths), with_type_only) - {module} for module, path in paths.items()}
 
 
-GRAPH = _graph()
+GRAPH = _graph(with_type_only=True)  # a layer names no type of a higher one either
+RUNTIME_GRAPH = _graph(with_type_only=False)
 
 
 def test_every_folder_of_the_package_has_a_layer():
@@ -76,8 +89,9 @@ def test_imports_point_down(module):
 
 
 def test_no_modules_import_each_other_in_a_circle():
-    # A package importing its own submodules (`__init__` handing names on) is not a circle of the code.
-    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in GRAPH.items()}
+    # A package importing its own submodules (`__init__` handing names on) is not a circle of the code, nor is
+    # a type named for an annotation alone.
+    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in RUNTIME_GRAPH.items()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     circles = []
 

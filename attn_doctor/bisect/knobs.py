@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attn_doctor.core.case import DEFAULT_MASKED_FRACTION, DTYPES, Case
-from attn_doctor.core.coords import ANY_BACKEND, Coords, ProbeKind, coords_at, knob_dict
+from attn_doctor.core.coords import ANY_BACKEND, Coords, ProbeKind, coords_at, kind_at, knob_dict
 from attn_doctor.core.errors import BadInput
 
 
@@ -220,5 +220,5 @@ def value(coords: Coords, knob: str) -> Any:
     return spec.value(coords)
 
 
-__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "knob_dict", "moves",
-           "valid", "value"]
+__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "kind_at",
+           "knob_dict", "moves", "valid", "value"]

@@ -12,6 +12,7 @@ from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
 from attn_doctor.cli.options import backend_options, build_case, case_options
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
+from attn_doctor.core.probe_kinds import rules_for
 
 
 @click.command()
@@ -44,12 +45,14 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
         if given or backends or kernels or layouts or tp != 1 or layers:
             raise BadInput("--from starts from a row of the results, with its case, backend and layout; drop "
                            f"{', '.join('--' + g for g in given) or 'the case and backend options'}")
-    case = build_case(case_flags) if from_results is None else None
-    if case is not None and layers and case.inputs != "normal":
-        raise BadInput("--inputs does not apply to depth stacks (--layers): each layer's q, k, v come from the "
-                       "stack's seeded weights; drop --inputs or --layers")
-    from attn_doctor.backends import select
     from attn_doctor.bisect import knobs
+
+    case = build_case(case_flags) if from_results is None else None
+    if case is not None:
+        rules = rules_for(knobs.kind_at(tp, layers), case)
+        if not rules.inputs and case.inputs != "normal":
+            raise BadInput(f"{rules.inputs_refusal()}; drop --inputs or {rules.flag}")
+    from attn_doctor.backends import select
     from attn_doctor.bisect.driver import BisectRequest, missing_values, start_from_results
     from attn_doctor.bisect.driver import bisect as bisect_workflow
     from attn_doctor.bisect.engine import CannotBisect, NothingToBisect

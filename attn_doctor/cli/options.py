@@ -24,7 +24,8 @@ from attn_doctor.core.case import (
     make_case,
 )
 from attn_doctor.core.errors import BadInput
-from attn_doctor.core.layouts import CAPTURED, LAYOUT_ALIASES, LAYOUTS
+from attn_doctor.core.layouts import LAYOUT_ALIASES, LAYOUTS
+from attn_doctor.core.probe_kinds import layout_choices
 
 MASK_NAMES = MASKS + tuple(MASK_ALIASES)
 
@@ -145,7 +146,7 @@ def backend_options(fn: Callable) -> Callable:
                           "TARGET is a module or a .py path (repeatable). Masks, lengths, bias and sinks arrive "
                           "as the keywords allowed, seqlens_q/kv, bias, softmax_offset when it takes them."),
         click.option("--layout", "layouts", multiple=True, metavar="NAME",
-                     type=click.Choice(LAYOUTS + (CAPTURED,) + tuple(LAYOUT_ALIASES)),
+                     type=click.Choice(layout_choices() + tuple(LAYOUT_ALIASES)),
                      help=f"A memory layout to feed (repeatable): {', '.join(LAYOUTS)}, or TE's names (sb3hd, "
                           "thd_t2hd, ...) [contiguous, sb3hd_packed, sbh3d_packed, head_slice, transposed; thd: "
                           "contiguous, head_slice, qkv_3hd, kv_2hd]."),

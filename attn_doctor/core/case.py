@@ -250,16 +250,6 @@ class Case:
         return " ".join(flags)
 
 
-def tp_unsupported(case: Case, tp: int) -> str | None:
-    """Why the heads cannot be split into `tp` tensor-parallel shards (a SKIP reason), or None."""
-    if case.api_features():
-        return (f"TP shards, depth stacks and ranks model the dense API only; this case uses "
-                f"{', '.join(case.api_features())} (check it as a single call)")
-    if case.heads % tp or case.kv_heads % tp:
-        return f"TP={tp} needs heads ({case.heads}) and kv heads ({case.kv_heads}) divisible by {tp}"
-    return None
-
-
 def tp_shard(case: Case, tp: int) -> Case:
     """The case one of `tp` tensor-parallel head shards sees."""
     return dataclasses.replace(case, heads=case.heads // tp, kv_heads=case.kv_heads // tp)

@@ -11,10 +11,11 @@ A probe measures one backend on one case, fed through one memory layout, in one 
 - DISTRIBUTED: the backend on tp x cp real ranks launched with torchrun.
 
 Everything that differs between the kinds and needs no tensors lives here, in one place: which baseline
-row a probe is judged against, which reference it is measured against, why a coordinate cannot hold its
-case, how it is written in the results (the `coords` object of a results row, unchanged since the first
-results format) and the command that re-runs it. What a kind does with tensors is in `attn_doctor.probes`
-(CALL, TP, DEPTH, in worker processes) and `attn_doctor.distributed` (DISTRIBUTED).
+row a probe is judged against, which reference it is measured against, how it is written in the results
+(the `coords` object of a results row, unchanged since the first results format) and the command that
+re-runs it; what each kind accepts, and so why a coordinate cannot hold its case, is the table of
+`attn_doctor.core.probe_kinds`. What a kind does with tensors is in `attn_doctor.probes` (CALL, TP, DEPTH,
+in worker processes) and `attn_doctor.distributed` (DISTRIBUTED).
 """
 
 from __future__ import annotations
@@ -23,15 +24,13 @@ import dataclasses
 import json
 import shlex
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-from attn_doctor.core.case import Case, tp_unsupported
+from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
-from attn_doctor.core.layouts import layout_unsupported
+from attn_doctor.core.probe_kinds import DEPTH_LAYOUT, KindRules, ProbeKind, rules_for
 
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
-DEPTH_LAYOUT = "sbh3d_packed"  # the stack feeds attention Megatron's split of the mixed qkv tensor
 
 
 @dataclass(frozen=True)
@@ -51,15 +50,6 @@ class BackendSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BackendSpec:
         return cls(d["name"], d["family"], dict(d.get("options", {})))
-
-
-class ProbeKind(str, Enum):
-    """How a probe runs its backend. The values are what results files have always stored."""
-
-    CALL = "layout"  # one call on one memory layout
-    TP = "tp"
-    DEPTH = "depth"
-    DISTRIBUTED = "distributed"
 
 
 @dataclass(frozen=True)
@@ -139,34 +129,14 @@ class Coords:
             return self.tp == 1
         return self.kind is ProbeKind.CALL and self.layout == "contiguous"
 
+    @property
+    def kind_rules(self) -> KindRules:
+        """What probes of this kind accept (`attn_doctor.core.probe_kinds`)."""
+        return rules_for(self.kind, self.case)
+
     def unsupported(self) -> str | None:
         """Why these coordinates cannot hold their case (a SKIP reason), whatever the backend."""
-        case = self.case
-        if self.kind is ProbeKind.CALL:
-            return layout_unsupported(self.layout, case)
-        why_not = tp_unsupported(case, self.tp)
-        if why_not or self.kind is ProbeKind.TP:
-            if not why_not and self.kind is ProbeKind.TP and self.layout not in ("head_slice", "contiguous"):
-                return "TP shards are head-sliced views (layout head_slice) or contiguous copies (contiguous)"
-            return why_not
-        if self.kind is ProbeKind.DEPTH:
-            if case.seq_kv != case.seq:
-                return "the depth stack is self-attention: it needs seq_kv == seq"
-            if case.inputs != "normal":
-                return (f"the depth stack's q, k, v come from its seeded weights: inputs {case.inputs} applies to "
-                        "one attention call, TP shards and ranks, not to --layers")
-            return None
-        if self.cp > 1:  # DISTRIBUTED
-            cp, tp = self.cp, self.tp
-            if case.seq_kv != case.seq:
-                return f"CP={cp} splits one sequence for q, k and v: it needs self-attention (seq_kv == seq)"
-            if case.seq % (2 * cp):
-                return (f"CP={cp} splits the sequence into {2 * cp} equal chunks: seq ({case.seq}) must be "
-                        f"divisible by {2 * cp}")
-            if self.cp_comm_type == "a2a" and ((case.heads // tp) % cp or (case.kv_heads // tp) % cp):
-                return (f"CP a2a regroups heads over {cp} ranks: heads per TP rank ({case.heads // tp}) and kv "
-                        f"heads per TP rank ({case.kv_heads // tp}) must be divisible by {cp}")
-        return None
+        return self.kind_rules.unsupported(self)
 
     # -- how the coordinates are written ----------------------------------------------------------------
 
@@ -268,15 +238,23 @@ class Coords:
 ANY_BACKEND = BackendSpec("any", "any")
 
 
+def kind_at(tp: int, layers: int) -> ProbeKind:
+    """The kind of probe for these values of bisect's knobs: an L-layer stack when layers > 0, TP shards when
+    tp > 1, else one call."""
+    if layers > 0:
+        return ProbeKind.DEPTH
+    return ProbeKind.TP if tp > 1 else ProbeKind.CALL
+
+
 def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int = 0,
               backend: BackendSpec = ANY_BACKEND) -> Coords:
-    """The probe for these values of bisect's knobs: an L-layer stack when layers > 0 (TP shards inside each
-    layer), TP shards when tp > 1 (as views when the layout is head_slice, else as copies), else one call on
-    the layout."""
-    if layers > 0:
+    """The probe for these values of bisect's knobs (`kind_at`): an L-layer stack (TP shards inside each
+    layer), TP shards (as views when the layout is head_slice, else as copies), or one call on the layout."""
+    kind = kind_at(tp, layers)
+    if kind is ProbeKind.DEPTH:
         return Coords.depth(case, backend, layers, tp)
-    if tp > 1:
-        return Coords(case, backend, layout, ProbeKind.TP, tp=tp)
+    if kind is ProbeKind.TP:
+        return Coords(case, backend, layout, kind, tp=tp)
     return Coords.call(case, backend, layout)
 
 

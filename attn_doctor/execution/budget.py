@@ -45,7 +45,7 @@ def _call_bytes(coords: Coords, case: Case, repeats: int = 1) -> tuple[int, int]
     q, kv = _elements(case)
     views = 2 if coords.layout == "head_slice" else 1  # the head_slice layout's wider buffers
     tensors = (2 * q + 2 * kv) * item * 3 + (q + 2 * kv) * item * (views - 1) + min(max(q, kv), CHUNK_ELEMENTS) * 8 * 5
-    if repeats > 1 and coords.kind is ProbeKind.CALL:
+    if repeats > 1 and coords.kind_rules.repeats:
         tensors += (2 * q + 2 * kv) * item
     path = backends.memory(coords.backend, case)
     return tensors, path.saved + path.transient

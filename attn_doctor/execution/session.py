@@ -52,8 +52,8 @@ def row_from_reply(coords: Coords, reply: dict) -> Row:
 
 
 def repeats_of(coords: Coords, repeats: int) -> int:
-    """How many times a probe runs: --repeats for a single call, once for TP shards and depth stacks."""
-    return repeats if coords.kind is ProbeKind.CALL else 1
+    """How many times a probe runs: --repeats where its kind takes them (single calls), else once."""
+    return repeats if coords.kind_rules.repeats else 1
 
 
 def skipped_row(coords: Coords, reason: str) -> Row:

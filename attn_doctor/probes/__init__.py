@@ -24,7 +24,7 @@ def run_probe(backend: Backend, coords: Coords, caches: Caches, progress: Progre
     What the backend read back from its library beyond `ran` (`Backend.facts`) goes into the outcome's extra."""
     from attn_doctor.backends import Unsupported
 
-    if repeats != 1 and coords.kind is not ProbeKind.CALL:
+    if repeats != 1 and not coords.kind_rules.repeats:
         raise ValueError(f"repeats apply to single calls only, not to {coords.kind.name} probes")
     more = {"repeats": repeats} if repeats != 1 else {}
     try:

@@ -75,14 +75,23 @@ class Point:
         return plan_calls(self.case, specs, list(self.layouts))
 
 
+def point_kind(depths: list[int] | None, degrees: list[int] | None) -> ProbeKind:
+    """How a sweep's points probe: depth stacks when depths are given (with TP inside), else TP shards when
+    degrees are, else single calls on layouts."""
+    if depths:
+        return ProbeKind.DEPTH
+    return ProbeKind.TP if degrees else ProbeKind.CALL
+
+
 def plan_points(cases: list[Case], layouts: list[str], depths: list[int] | None = None,
                 degrees: list[int] | None = None) -> list[Point]:
-    """Depth stacks when depths are given (with TP inside), else TP shards when degrees are, else layouts."""
-    if depths:
-        return [Point(c, ProbeKind.DEPTH, depths=tuple(depths), degrees=tuple(degrees or [1])) for c in cases]
-    if degrees:
-        return [Point(c, ProbeKind.TP, degrees=tuple(degrees)) for c in cases]
-    return [Point(c, ProbeKind.CALL, layouts=tuple(layouts or default_layouts(c))) for c in cases]
+    """One point per case, of `point_kind`."""
+    kind = point_kind(depths, degrees)
+    if kind is ProbeKind.DEPTH:
+        return [Point(c, kind, depths=tuple(depths), degrees=tuple(degrees or [1])) for c in cases]
+    if kind is ProbeKind.TP:
+        return [Point(c, kind, degrees=tuple(degrees)) for c in cases]
+    return [Point(c, kind, layouts=tuple(layouts or default_layouts(c))) for c in cases]
 
 
 def static_skip(coords: Coords, device: str) -> str | None:

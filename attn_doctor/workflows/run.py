@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BackendSpec, Coords, check_grid
 from attn_doctor.core.errors import BadInput
+from attn_doctor.core.probe_kinds import ProbeKind, dense_api_refusal, rules_for
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
@@ -40,28 +41,34 @@ class RunRequest:
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards)
     repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
 
+    @property
+    def kind(self) -> ProbeKind:
+        """The probes the run makes: ranks with --nproc, else TP shards with --tp > 1, else single calls."""
+        if self.nproc is not None:
+            return ProbeKind.DISTRIBUTED
+        return ProbeKind.TP if self.tp > 1 else ProbeKind.CALL
+
     def check(self) -> None:
         """Refuse what cannot run whatever the machine: a grid that contradicts itself, options that do not go
-        together. Every rule here leaves nothing silently ignored."""
+        together (what each kind of probe accepts: `attn_doctor.core.probe_kinds`). Every rule here leaves
+        nothing silently ignored."""
         check_grid(self.tp, self.cp, self.cp_comm_type if self.cp > 1 else None, self.nproc)
         if self.nproc is None and self.cp > 1:
             raise BadInput(f"--cp {self.cp}: context parallelism runs on real ranks; add --nproc {self.tp * self.cp}")
-        if self.tp > 1 and self.layouts_given:
-            raise BadInput("--layout does not apply to TP shards (they are fed as head-sliced views and as contiguous "
-                           "copies); drop --layout or --tp")
-        if self.nproc is not None and self.layouts_given:
-            raise BadInput("--layout does not apply to --nproc runs (every rank gets its shard as a contiguous "
-                           "copy); drop --layout or --nproc")
-        if (self.tp > 1 or self.nproc is not None) and self.case.api_features():
-            raise BadInput(f"--tp and --nproc model the dense API; this case uses "
-                           f"{', '.join(self.case.api_features())}: check it as a single call (drop --tp/--nproc)")
+        rules = rules_for(self.kind, self.case)
+        # Ranks holding TP shards (--nproc with --tp > 1) refuse --layout in the shards' words.
+        layout_rules = rules_for(ProbeKind.TP, self.case) if self.tp > 1 else rules
+        if self.layouts_given and not layout_rules.takes_layout:
+            raise BadInput(f"{layout_rules.layout_refusal(explained=True)}; drop --layout or {layout_rules.flag}")
+        if not rules.te_api and self.case.api_features():
+            raise BadInput(f"{dense_api_refusal('--tp and --nproc', self.case)}: check it as a single call (drop "
+                           "--tp/--nproc)")
         if self.case.fp8 != "none" and self.device == "cpu":
             raise BadInput("FP8 attention runs on a GPU (TE's FusedAttention, sm90+); this run is on the CPU: drop "
                            "--fp8 or pass --device cuda on a GPU machine")
         check_repeats(self.repeats)
-        if self.repeats > 1 and (self.tp > 1 or self.nproc is not None):
-            raise BadInput(repeats_refusal("--nproc ranks" if self.nproc is not None else "TP shards (--tp)",
-                                           "--nproc" if self.nproc is not None else "--tp"))
+        if self.repeats > 1 and not rules.repeats:
+            raise BadInput(rules.repeats_refusal(without=rules.flag))
 
 
 def check_repeats(repeats: object) -> None:
@@ -70,16 +77,10 @@ def check_repeats(repeats: object) -> None:
         raise BadInput(f"--repeats takes a whole number >= 1, got {repeats!r}")
 
 
-def repeats_refusal(what: str, flag: str) -> str:
-    """Why --repeats N > 1 is refused beside probes that run once (it would be silently ignored there)."""
-    return (f"--repeats applies to single calls (the layouts); {what} run once: drop --repeats, or run the layouts "
-            f"without {flag}")
-
-
 def plan(request: RunRequest) -> list[Coords]:
     from attn_doctor.probes.plan import plan_calls, plan_tp
 
-    if request.tp > 1 and request.nproc is None:
+    if request.kind is ProbeKind.TP:
         return plan_tp(request.case, request.specs, [request.tp])
     return plan_calls(request.case, request.specs, request.layouts)
 
@@ -122,7 +123,7 @@ def runnable(coords_list: list[Coords], specs: list[BackendSpec], device: str) -
 def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
     """The whole `run`: probes, verdicts and the environment, in a results document."""
     request.check()
-    if request.nproc is not None:
+    if request.kind is ProbeKind.DISTRIBUTED:
         return run_distributed(request, progress)
     from attn_doctor.execution.budget import check_fits
     from attn_doctor.execution.session import Session

@@ -12,8 +12,9 @@ from pathlib import Path
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BackendSpec
 from attn_doctor.core.errors import BadInput
+from attn_doctor.core.probe_kinds import rules_for
 from attn_doctor.execution.progress import ProgressSink
-from attn_doctor.probes.plan import Point, plan_points
+from attn_doctor.probes.plan import Point, plan_points, point_kind
 from attn_doctor.results.log import DOCUMENT_FILE, ResultsLog
 from attn_doctor.results.report import RunReport, dumps
 from attn_doctor.results.row import Row
@@ -69,10 +70,8 @@ def check_resumable(directory: Path, done_rows: list[Row], points: list[Point], 
 def check_same_repeats(directory: Path, done_rows: list[Row], repeats: int) -> None:
     """Refuse to resume a sweep with another --repeats: its points would mix verdicts on one call and on the
     worst of several."""
-    from attn_doctor.core.coords import ProbeKind
-
     ran = sorted({row.repeats["n"] if row.repeats else 1 for row in done_rows
-                  if row.coords.kind is ProbeKind.CALL and row.tensors})
+                  if row.coords.kind_rules.repeats and row.tensors})
     if ran and ran != [repeats]:
         raise BadInput(f"--resume {directory}: that sweep ran each call {' or '.join(map(str, ran))} time(s), this "
                        f"command asks for --repeats {repeats}; resume with the same --repeats, or start a new sweep "
@@ -82,18 +81,19 @@ def check_same_repeats(directory: Path, done_rows: list[Row], repeats: int) -> N
 def prepare(request: SweepRequest) -> SweepPlan:
     """Check the request against what is on disk and what can run here, before any work starts."""
     from attn_doctor.execution.budget import check_fits
-    from attn_doctor.workflows.run import check_repeats, repeats_refusal, runnable
+    from attn_doctor.workflows.run import check_repeats, runnable
 
     check_repeats(request.repeats)
-    if request.repeats > 1 and (request.depths or request.degrees):
-        raise BadInput(repeats_refusal("depth stacks (--layers)" if request.depths else "TP shards (--tp)",
-                                       "--layers/--tp (or the recipe's grid.layers/grid.tp)"))
-    if request.layouts_given and (request.depths or request.degrees):
-        raise BadInput(f"--layout does not apply to {'depth stacks (--layers)' if request.depths else 'TP shards (--tp)'}"
-                       "; drop --layout, or sweep the layouts without --layers/--tp")
-    if request.depths and any(case.inputs != "normal" for case in request.cases):
-        raise BadInput("--inputs does not apply to depth stacks (--layers): each layer's q, k, v come from the "
-                       "stack's seeded weights; drop --inputs, or sweep the input distributions without --layers")
+    kind = point_kind(request.depths, request.degrees)
+    for rules in dict.fromkeys(rules_for(kind, case) for case in request.cases):
+        if request.repeats > 1 and not rules.repeats:
+            raise BadInput(rules.repeats_refusal(without="--layers/--tp (or the recipe's grid.layers/grid.tp)"))
+        if request.layouts_given and not rules.takes_layout:
+            raise BadInput(f"{rules.layout_refusal(explained=False)}; drop --layout, or sweep the layouts without "
+                           "--layers/--tp")
+        if not rules.inputs and any(case.inputs != "normal" for case in request.cases):
+            raise BadInput(f"{rules.inputs_refusal()}; drop --inputs, or sweep the input distributions without "
+                           f"{rules.flag}")
     log = ResultsLog(request.directory)
     if request.resume and not log.path.exists():
         raise BadInput(f"--resume {request.directory}: no {log.path.name} there; start the sweep with --out instead")
