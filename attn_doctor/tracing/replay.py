@@ -38,7 +38,8 @@ from attn_doctor.core.layouts import QKV
 from attn_doctor.numerics.inputs import TORCH_DTYPES
 from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
 
-DTYPES = {str(dtype).removeprefix("torch."): name for name, dtype in TORCH_DTYPES.items()}  # "bfloat16" -> bf16
+# A captured tensor's torch dtype name -> the case's dtype: "bfloat16" -> bf16.
+DTYPE_BY_TORCH_NAME = {str(dtype).removeprefix("torch."): name for name, dtype in TORCH_DTYPES.items()}
 
 
 def reference_of(root: Path, call: CapturedCall) -> str:
@@ -105,7 +106,7 @@ def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
         if meta["arguments"].get("qkv_layer") is not None or meta["arguments"].get("kv_layer") is not None:
             return "TE's packed qkv_layer/kv_layer, captured without the views TE selects from it: capture again"
         return "q, k and v were not all tensors"
-    dtype = DTYPES.get(meta["tensors"]["q"]["dtype"])
+    dtype = DTYPE_BY_TORCH_NAME.get(meta["tensors"]["q"]["dtype"])
     if dtype is None:
         return f"dtype {meta['tensors']['q']['dtype']} (attn-doctor checks bf16, fp16, fp32)"
     fields: dict[str, Any] = dict(dtype=dtype, seed=seed, replay=reference_of(root, call))
