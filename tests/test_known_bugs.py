@@ -6,20 +6,21 @@ Every rule is also tested from its own [bug.when] table, key by key, in tests/te
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-import attn_doctor.machine.known_bugs as known_bugs_module
+import attn_doctor.known_defects as known_defects
 from attn_doctor.core.case import Case, make_case
-from attn_doctor.machine.fingerprint import EnvReport
-from attn_doctor.machine.known_bugs import (
-    BACKEND_NAMES,
+from attn_doctor.known_defects import (
     CASE_KEYS,
     COMPONENTS,
     CONDITION_KEYS,
+    ENV_KEYS,
     SYMPTOMS,
     KnownBug,
     MatchContext,
@@ -32,6 +33,19 @@ from attn_doctor.machine.known_bugs import (
     match_case,
     match_environment,
     sub_backend_from_ran,
+)
+from attn_doctor.known_defects.conditions import CONDITION_BY_KEY, CONDITIONS
+from attn_doctor.known_defects.loading import _VALIDATORS
+from attn_doctor.machine.fingerprint import EnvReport
+
+BACKEND_NAMES = CONDITION_BY_KEY["backend"].choices  # the path names a rule's backend may list
+# What the assertions below read of the module the package replaced, as views of the one condition table:
+# the documentation, the keys whose kind has a validator, and the case keys that have a check.
+known_bugs_module = SimpleNamespace(
+    __doc__=known_defects.__doc__,
+    ENV_KEYS=ENV_KEYS,
+    _KINDS={c.key: c.kind for c in CONDITIONS if c.kind in _VALIDATORS},
+    _CASE_CHECKS={c.key: c.check for c in CONDITIONS if c.scope == "case" and callable(c.check)},
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +170,58 @@ def test_every_condition_key_is_documented_validated_and_read():
         assert f"``{key}``" in doc, key
         assert key in known_bugs_module._KINDS, key
     assert set(known_bugs_module._CASE_CHECKS) == set(CASE_KEYS)
+
+
+def _documented_keys(doc: str) -> dict[str, str | None]:
+    """The condition keys the package's docstring documents (its ``key`` spans under ``[bug.when]``), each
+    with the scope heading it stands under (None before the first)."""
+    section = doc.split("``[bug.when]``", 1)[1].split("\n\nA rule is machine-level", 1)[0]
+    keys: dict[str, str | None] = {}
+    scope = None
+    for line in section.splitlines():
+        heading = re.match(r"  (environment|run|path|case) \(", line)
+        if heading:
+            scope = heading.group(1)
+        for key in re.findall(r"``(\w+)``", line):
+            keys[key] = scope
+    return keys
+
+
+def test_the_documented_condition_keys_are_the_table():
+    """Every key of the condition table is documented under its scope, and every key documented is in the
+    table."""
+    assert _documented_keys(known_defects.__doc__) == {c.key: c.scope for c in CONDITIONS}
+    # The parse sees a key the docs leave out, and one they add.
+    assert "batch_ge" not in _documented_keys(known_defects.__doc__.replace("``batch_ge``", "batch_ge"))
+    assert "batch_le" in _documented_keys(known_defects.__doc__.replace("``batch_ge``", "``batch_le``"))
+
+
+def _attn_doctor_imports(source: str) -> list[tuple[str, bool]]:
+    """(attn_doctor subpackage, only for type checking) for each import of a module's source."""
+    imports: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) == "TYPE_CHECKING":
+                visit(child, True)
+                continue
+            names = ([child.module or ""] if isinstance(child, ast.ImportFrom)
+                     else [alias.name for alias in child.names] if isinstance(child, ast.Import) else [])
+            imports.extend((name.split(".")[1], typing_only) for name in names if name.startswith("attn_doctor."))
+            visit(child, typing_only)
+
+    visit(ast.parse(source), False)
+    return imports
+
+
+def test_the_package_imports_no_layer_above_it():
+    """The known defects read core, the machine's fingerprint, the backend registry and results rows (for
+    their type alone); the capture's one fact comes in as row_probe's argument, so tracing stays out."""
+    package = Path(known_defects.__file__).parent
+    imports = [found for source in package.glob("*.py") for found in _attn_doctor_imports(source.read_text())]
+    assert {name for name, typing_only in imports if not typing_only} <= {"backends", "core", "known_defects"}
+    assert {name for name, _ in imports} <= {"backends", "core", "known_defects", "machine", "results"}
+    assert _attn_doctor_imports("from attn_doctor.tracing.replay import x") == [("tracing", False)]
 
 
 def test_backend_names_cover_every_built_in_path():
@@ -556,8 +622,8 @@ def test_tp_shards_as_views_reproduce_the_strided_fault():
 
 def test_a_row_becomes_a_probe_with_its_path_cp_and_tensors():
     from attn_doctor.backends import builtin_specs
-    from attn_doctor.cli.known import row_probe
     from attn_doctor.core.coords import Coords
+    from attn_doctor.known_defects import row_probe
     from attn_doctor.results.row import Row
 
     spec = next(s for s in builtin_specs() if s.name == "te.fused.det")

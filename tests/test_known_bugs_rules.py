@@ -22,7 +22,7 @@ from test_known_bugs import make_env
 
 from attn_doctor.core.case import MASKS, Case
 from attn_doctor.core.layouts import LAYOUTS
-from attn_doctor.machine.known_bugs import (
+from attn_doctor.known_defects import (
     CONDITION_KEYS,
     KnownBug,
     MatchContext,

@@ -2,7 +2,8 @@
 own layer or a lower one, and no modules import each other in a circle.
 
 The layers, from the ground up, are what a newcomer reads in the folder list: the vocabulary (core), the
-numerics and the machine's facts, the backends, verdicts and probes, results, tracing (a user's own model),
+numerics and the machine's facts, the backends, verdicts and probes, results, the known defects matched
+against them, tracing (a user's own model),
 the execution of probes, bisection and real ranks, the renderers, the workflows, the command line."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("backends",),
     ("verdict", "probes"),
     ("results",),
+    ("known_defects",),
     ("tracing",),
     ("execution",),
     ("bisect", "distributed"),

@@ -108,7 +108,7 @@ def test_a_replayed_paths_backward_gets_the_output_gradient_laid_out_as_in_the_r
     seen = set(log.read_text().splitlines())
     assert seen == {"[2, 3, 8, 4] [96, 32, 4, 1]", "[2, 3, 8, 4] [96, 4, 12, 1]"}  # captured, contiguous layouts
     # the known defects beside the rows see the second call's dO in its captured layout as strided unlike out
-    from attn_doctor.cli.known import row_probe
+    from attn_doctor.cli.known import probe_with_capture as row_probe
     from attn_doctor.machine.fingerprint import collect_env
     from attn_doctor.results.report import read_report
 

@@ -38,6 +38,16 @@ def builtin_specs() -> list[BackendSpec]:
     return [spec for cls in REGISTRY.values() for spec in cls.paths()]
 
 
+def path_names() -> tuple[str, ...]:
+    """Every name that picks built-in paths, in table order: each family of several paths before its paths
+    ("te", "te.flash", "te.fused", ...). A known-defect rule's ``backend`` names these."""
+    names: list[str] = []
+    for family, cls in REGISTRY.items():
+        paths = cls.paths()
+        names += ([family] if len(paths) > 1 else []) + [spec.name for spec in paths]
+    return tuple(names)
+
+
 def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...] = ()) -> list[BackendSpec]:
     """The specs a user asked for: --backend NAME (a row name, or a family for all its rows; all built-ins
     when neither --backend nor --kernel is given) and --kernel [NAME=]TARGET:FUNC. Unknown names and a
@@ -104,5 +114,5 @@ def prepare_process(family: str) -> dict:
 
 
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported", "BASELINE", "REGISTRY",
-           "backend_class", "builtin_specs", "select", "build", "static_skip", "memory", "selector",
+           "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
            "repro_source", "match_format", "match_context", "prepare_process"]

@@ -115,7 +115,7 @@ class Backend(ABC):
 
     @classmethod
     def match_context(cls, spec: BackendSpec) -> dict[str, Any]:
-        """Known-defect context fields (`attn_doctor.machine.known_bugs.MatchContext`) this spec sets
+        """Known-defect context fields (`attn_doctor.known_defects.MatchContext`) this spec sets
         whatever the machine's environment says; {} when it runs as the environment has it."""
         return {}
 

@@ -16,7 +16,7 @@ from attn_doctor.core.case import (
     DTYPES,
     FP8_RECIPES,
     INPUTS,
-    MASK_ALIASES,
+    MASK_NAMES,
     MASKS,
     QKV_FORMATS,
     SOFTMAX_TYPES,
@@ -26,8 +26,6 @@ from attn_doctor.core.case import (
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import LAYOUT_ALIASES, LAYOUTS
 from attn_doctor.core.probe_kinds import layout_choices
-
-MASK_NAMES = MASKS + tuple(MASK_ALIASES)
 
 POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
 

@@ -1,2 +1,3 @@
 """The vocabulary every other part speaks: a case, where a probe runs (coordinates), memory layouts,
-recipes, the errors that reach the user, and the child processes attn-doctor starts."""
+recipes, the errors that reach the user (and reading a document without a traceback), and the child
+processes attn-doctor starts."""

@@ -24,12 +24,18 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MASKS = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right",
          "arbitrary")
 MASK_ALIASES = {"none": "no_mask"}
+MASK_NAMES = MASKS + tuple(MASK_ALIASES)  # every name a mask may be given by
 QKV_FORMATS = ("sbhd", "bshd", "thd")
+# The formats an attention call takes q, k, v in: TE's, and a captured SDPA call's [b, h, s, d]
+# (`attn_doctor.tracing.replay`), which is what a known-defect rule's qkv_format may name.
+CALL_FORMATS = QKV_FORMATS + ("bhsd",)
 # TE's core_attention_bias_type, with post_scale_bias's shape: "post_scale_bias:1hss" etc.
 BIAS_SHAPES = ("1hss", "11ss", "b1ss", "bhss", "111s")
 BIASES = ("no_bias", "alibi") + tuple(f"post_scale_bias:{shape}" for shape in BIAS_SHAPES)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 FP8_RECIPES = ("none", "delayed", "current")
+# TE's FP8 attention recipes: the two attn-doctor runs (FP8_RECIPES but "none") and two it does not.
+TE_FP8_RECIPES = FP8_RECIPES[1:] + ("mxfp8", "blockwise")
 # The explicit mask of mask "arbitrary": "random:P" masks each (query, key) pair out with probability P.
 DEFAULT_MASKED_FRACTION = 0.25
 # Case fields added with TE's whole API, and their defaults: a field at its default is left out of a case's

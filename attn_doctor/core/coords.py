@@ -31,6 +31,8 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.core.probe_kinds import DEPTH_LAYOUT, KindRules, ProbeKind, rules_for
 
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
+# TE's CP communication types: those attn-doctor runs and the hierarchical one it does not (two CP levels).
+TE_CP_COMM_TYPES = CP_COMM_TYPES + ("a2a+p2p",)
 
 
 @dataclass(frozen=True)
@@ -276,5 +278,6 @@ def check_grid(tp: int, cp: int, cp_comm_type: str | None, nproc: int | None = N
         raise BadGrid(f"--nproc {nproc} must equal --tp {tp} x --cp {cp} = {tp * cp}: the ranks form a tp x cp "
                       "grid")
     if cp > 1 and cp_comm_type not in CP_COMM_TYPES:
-        hint = " (TE's hierarchical a2a+p2p needs two CP levels; not supported)" if cp_comm_type == "a2a+p2p" else ""
+        hierarchical = cp_comm_type in TE_CP_COMM_TYPES
+        hint = f" (TE's hierarchical {cp_comm_type} needs two CP levels; not supported)" if hierarchical else ""
         raise BadGrid(f"--cp-comm-type {cp_comm_type!r}: choose one of {', '.join(CP_COMM_TYPES)}{hint}")

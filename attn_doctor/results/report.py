@@ -13,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from attn_doctor.core.documents import read_document
 from attn_doctor.core.errors import BadInput
 from attn_doctor.machine.fingerprint import EnvReport
 from attn_doctor.results.row import Row
@@ -132,14 +133,13 @@ def read_report(path: Path) -> RunReport:
 def read_json(path: Path) -> Any:
     """A JSON file attn-doctor wrote (BadInput naming the file when it is missing or not JSON)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise BadInput(f"no results file {path}; run `attn-doctor run --json {path}` first") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"cannot read {path}: {exc}") from None
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be truncated") from None
-    return document
+
+    def unreadable(exc: OSError | UnicodeDecodeError) -> BadInput:
+        if isinstance(exc, FileNotFoundError):
+            return BadInput(f"no results file {path}; run `attn-doctor run --json {path}` first")
+        return BadInput(f"cannot read {path}: {exc}")
+
+    def malformed(exc: json.JSONDecodeError) -> BadInput:
+        return BadInput(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be truncated")
+
+    return read_document(path, json.loads, json.JSONDecodeError, unreadable, malformed)
