@@ -3,8 +3,8 @@ own layer or a lower one, and no modules import each other in a circle.
 
 The layers, from the ground up, are what a newcomer reads in the folder list: the vocabulary (core), the
 numerics and the machine's facts, the backends, verdicts and probes, results, the known defects matched
-against them, tracing (a user's own model),
-the execution of probes, bisection and real ranks, the renderers, the workflows, the command line."""
+against them, tracing (a user's own model), the execution of probes, bisection and real ranks, the renderers,
+the workflows, the command line."""
 
 from __future__ import annotations
 
