@@ -26,7 +26,7 @@ from cli_checks import one_line_error
 
 COND = Path(__file__).resolve().parent / "kernels" / "conditional.py"
 DOC_KEYS = {"start_case", "minimal_case", "necessary", "probes", "repro"}
-PROBE_KEYS = {"knob", "tried", "config", "verdict", "fails"}
+TE_FACT_KEYS = {"knob", "tried", "config", "verdict", "fails"}
 
 
 # --- the engine, with fake predicates ----------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_engine_to_dict_has_the_json_shape():
     assert {"start_case", "minimal_case", "necessary", "probes"} <= set(document)
     assert document["start_case"]["case"]["seq"] == 1024 and document["minimal_case"]["case"]["seq"] == 513
     assert {"knob": "seq", "failing_value": 513, "passing_value": "512"} in document["necessary"]
-    assert all(PROBE_KEYS <= set(p) for p in document["probes"])
+    assert all(TE_FACT_KEYS <= set(p) for p in document["probes"])
     json.dumps(document)  # serialisable as it is
 
 
@@ -366,7 +366,7 @@ def test_bisect_reaches_exactly_the_kernels_conditions(bisected, func):
         flags["--batch"], flags["--seq"], flags["--heads"], flags["--head-dim"], flags["--dtype"])
     assert doc["start_case"]["layout"] == flags["--layout"]
     first = doc["probes"][0]
-    assert PROBE_KEYS <= set(first) and first["knob"] == "start" and first["verdict"] == "FAIL" and first["fails"]
+    assert TE_FACT_KEYS <= set(first) and first["knob"] == "start" and first["verdict"] == "FAIL" and first["fails"]
     # the terminal says the same
     for knob, (failing, passing) in necessary.items():
         if knob != "dtype":

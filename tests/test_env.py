@@ -1,4 +1,4 @@
-"""Tests for attn_doctor.machine.fingerprint, attn_doctor.machine.te_probe and attn_doctor.render.env_view (CPU-only)."""
+"""Tests for attn_doctor.machine.fingerprint, attn_doctor.machine.te_facts and attn_doctor.render.env_view (CPU-only)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from attn_doctor.machine import fingerprint as env_mod
 from attn_doctor.machine.fingerprint import EnvReport, Fact, GpuInfo, collect_env
 from attn_doctor.machine.env_rows import env_rows
 from attn_doctor.render.env_view import env_markdown, env_rich_table
-from attn_doctor.machine.te_probe import decode_cudnn_version, probe_loaded_te
+from attn_doctor.machine.te_facts import decode_cudnn_version, loaded_te_facts
 
 HAS_GPU = torch.cuda.is_available()
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -38,12 +38,12 @@ def no_probe(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("TE probe must not be spawned")
 
-    monkeypatch.setattr(env_mod, "_run_te_probe", boom)
+    monkeypatch.setattr(env_mod, "_read_te_in_subprocess", boom)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
 def test_collect_env_without_gpu_never_raises():
-    env = collect_env(probe_te=False)
+    env = collect_env(read_te=False)
     assert env.gpus == ()
     assert env.gpus_note and "NVIDIA" in env.gpus_note
     assert env.driver.value is None
@@ -55,7 +55,7 @@ def test_collect_env_without_gpu_never_raises():
 
 @pytest.mark.skipif(HAS_FLASH, reason="flash-attn is installed here")
 def test_flash_attn_not_installed():
-    env = collect_env(probe_te=False)
+    env = collect_env(read_te=False)
     assert set(env.flash_attn) == {"v2", "v3", "v4"}
     for fact in env.flash_attn.values():
         assert fact == Fact(None, "not installed")
@@ -66,7 +66,7 @@ def test_env_var_filter(monkeypatch):
     monkeypatch.setenv("CUDA_SECRET_TOKEN", "hunter2")
     monkeypatch.setenv("NCCL_API_KEY", "x")
     monkeypatch.setenv("HOME_UNRELATED_VAR", "y")
-    env = collect_env(probe_te=False)
+    env = collect_env(read_te=False)
     assert env.env_vars["NVTE_FOO"] == "1"
     assert "CUDA_SECRET_TOKEN" not in env.env_vars
     assert "NCCL_API_KEY" not in env.env_vars
@@ -115,7 +115,7 @@ def test_subprocess_probe_without_te():
 
 @pytest.mark.skipif(HAS_TE, reason="Transformer Engine is installed here")
 def test_probe_loaded_te_without_te():
-    facts = probe_loaded_te()
+    facts = loaded_te_facts()
     assert set(facts) == {"te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "error"}
     assert facts["te_cudnn"] is None
     assert facts["error"].startswith("ModuleNotFoundError")
@@ -123,7 +123,7 @@ def test_probe_loaded_te_without_te():
 
 
 def test_probe_timeout(monkeypatch):
-    monkeypatch.setattr(env_mod, "TE_PROBE_CMD", [sys.executable, "-c", "import time; time.sleep(30)"])
+    monkeypatch.setattr(env_mod, "TE_FACTS_CMD", [sys.executable, "-c", "import time; time.sleep(30)"])
     t0 = time.monotonic()
     env = collect_env(timeout_s=1)
     assert time.monotonic() - t0 < 15
@@ -134,19 +134,19 @@ def test_probe_timeout(monkeypatch):
 def test_probe_cmd_parameter_and_noisy_stdout():
     payload = json.dumps(FAKE_TE)
     code = f"print('noise from TE import'); print({{'not': 'json'}}); print({payload!r})"
-    env = collect_env(probe_cmd=[sys.executable, "-c", code])
+    env = collect_env(te_facts_cmd=[sys.executable, "-c", code])
     assert env.te_cudnn.value == "9.14.0 (91400)"
 
 
 def test_probe_crash_is_reported():
     code = "import sys; sys.stderr.write('Segmentation fault in libfoo\\n'); sys.exit(3)"
-    env = collect_env(probe_cmd=[sys.executable, "-c", code])
+    env = collect_env(te_facts_cmd=[sys.executable, "-c", code])
     assert env.te_cudnn.value is None
     assert "code 3" in env.te_cudnn.note and "Segmentation fault in libfoo" in env.te_cudnn.note
 
 
 def test_probe_cmd_missing_executable():
-    env = collect_env(probe_cmd=["/nonexistent/python-for-attn-doctor"])
+    env = collect_env(te_facts_cmd=["/nonexistent/python-for-attn-doctor"])
     assert env.te_cudnn.value is None
     assert "could not start" in env.te_cudnn.note
 
@@ -219,7 +219,7 @@ def test_env_markdown_well_formed(source, monkeypatch):
         report = _sample_report()
     else:
         monkeypatch.setenv("NVTE_PIPE", "x|y")
-        report = collect_env(probe_te=False)
+        report = collect_env(read_te=False)
     md = env_markdown(report)
     lines = md.strip("\n").split("\n")
     assert lines[0] == "| fact | value |"
@@ -304,7 +304,7 @@ class _FakeNvml:
 def test_nvml_gpu_listing(monkeypatch):
     fake = _FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    env = collect_env(probe_te=False)
+    env = collect_env(read_te=False)
     assert env.driver == Fact("580.159.03")
     assert env.gpus[0] == GpuInfo(0, "NVIDIA H200", "sm_90", 143771)
     assert env.gpus[1].sm == "sm_90" and env.gpus[1].memory_total_mib == 0
@@ -316,6 +316,6 @@ def test_nvml_gpu_listing(monkeypatch):
 def test_nvml_driver_not_loaded(monkeypatch):
     fake = _FakeNvml(init_error=_FakeNvml.NVMLError_DriverNotLoaded("Driver Not Loaded"))
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    env = collect_env(probe_te=False)
+    env = collect_env(read_te=False)
     assert env.driver == Fact(None, "no NVIDIA driver: Driver Not Loaded")
     assert env.gpus == () and env.gpus_note == "no NVIDIA driver (NVML: Driver Not Loaded)"

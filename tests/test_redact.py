@@ -104,7 +104,7 @@ def test_fingerprint_records_who_and_where_but_never_shows_it(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
     monkeypatch.setenv("NVTE_SOME_AUTH_TOKEN", "secret-value-123")
     monkeypatch.setenv("CUDA_CREDENTIAL_FILE", "/x")
-    env = collect_env(probe_te=False)
+    env = collect_env(read_te=False)
     assert set(env.identity) == {"hostname", "user", "home"}
     assert EnvReport.from_dict(json.loads(json.dumps(env.to_dict()))) == env
     assert "NVTE_FUSED_ATTN" in env.env_vars

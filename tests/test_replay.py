@@ -113,7 +113,7 @@ def test_a_replayed_paths_backward_gets_the_output_gradient_laid_out_as_in_the_r
     from attn_doctor.results.report import read_report
 
     report = read_report(tmp_path / "r" / "results.json")
-    env = collect_env(probe_te=False)
+    env = collect_env(read_te=False)
     strided = sorted((row.layout, row_probe(row, env).context.dout_strided) for row in report.rows
                      if row.backend == "recording")
     assert strided == [(CAPTURED, False), (CAPTURED, True), ("contiguous", False), ("contiguous", False)]

@@ -47,7 +47,7 @@ from attn_doctor.backends.base import (
 from attn_doctor.core import layouts
 from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.core.errors import first_line
-from attn_doctor.machine.te_probe import te_installed
+from attn_doctor.machine.te_facts import te_installed
 from attn_doctor.numerics.masks import Semantics
 
 FLAGS = {"flash": "NVTE_FLASH_ATTN", "fused": "NVTE_FUSED_ATTN", "unfused": "NVTE_UNFUSED_ATTN"}
@@ -388,14 +388,14 @@ class TEAttention(Backend):
     def prepare_process(cls) -> dict:
         """TE before anything loads torch's cuDNN; what TE loaded (versions, its own cuDNN) for the
         fingerprint. An import failure is kept, and every TE row of this process is SKIP with it."""
-        from attn_doctor.machine.te_probe import probe_loaded_te
+        from attn_doctor.machine.te_facts import loaded_te_facts
 
         global _import_error
         try:
             load_te()
         except Exception as exc:  # noqa: BLE001 - any import failure becomes the rows' SKIP reason
             _import_error = first_line(exc)
-        return {"te_facts": probe_loaded_te()}
+        return {"te_facts": loaded_te_facts()}
 
     # -- in a worker --
 

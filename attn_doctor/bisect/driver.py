@@ -12,7 +12,7 @@ from typing import Any
 from attn_doctor.backends import BASELINE
 from attn_doctor.bisect import knobs
 from attn_doctor.backends import select
-from attn_doctor.bisect.engine import Bisector, BisectResult, Outcome, Probe, TensorFailure
+from attn_doctor.bisect.engine import Bisector, BisectResult, Outcome, RunProbe, TensorFailure
 from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
 from attn_doctor.execution.progress import ProgressSink
@@ -143,7 +143,7 @@ def outcome_of(row: Row) -> Outcome:
                    failures=failures, measured=tuple(row.tensors) or None)
 
 
-def session_probe(session: Session, progress: ProgressSink) -> Probe:
+def session_probe(session: Session, progress: ProgressSink) -> RunProbe:
     def probe(coords: Coords) -> Outcome:
         row = probe_row(session, coords)
         progress.advance(1, f"{coords.describe()}: {row.verdict}")
@@ -240,7 +240,7 @@ def bisect(request: BisectRequest, progress: ProgressSink | None = None) -> Bise
         diagnosis["minimal_case_checked"] = checked
         facts = live.facts
     progress.end()
-    env = collect_env(te_facts=facts.get("te_facts"), probe_te=False)
+    env = collect_env(te_facts=facts.get("te_facts"), read_te=False)
     minimal = result.minimal
     repro_coords = minimal if not minimal.layers else knobs.coords_at(minimal.case, backend=minimal.backend)
     repro = write_repro(request.directory, repro_coords, env, __version__, request.command)

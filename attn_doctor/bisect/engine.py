@@ -128,7 +128,7 @@ class CannotBisect(Exception):
     """The starting probe could not be judged: attn-doctor itself failed on it."""
 
 
-Probe = Callable[[Coords], Outcome]
+RunProbe = Callable[[Coords], Outcome]  # runs one probe and says how it came out
 
 
 def _error_class(reason: str) -> str:
@@ -141,7 +141,7 @@ def _error_class(reason: str) -> str:
 
 
 class Bisector:
-    def __init__(self, probe: Probe, repeats: int = 1, valid: Callable[[Coords], bool] | None = None):
+    def __init__(self, probe: RunProbe, repeats: int = 1, valid: Callable[[Coords], bool] | None = None):
         self.probe = probe
         self.repeats = max(1, repeats)
         self.valid = valid or (lambda coords: True)

@@ -16,11 +16,11 @@ def env(app: Application, as_json: bool, no_te: bool) -> int:
     variables; and the known TE/cuDNN defects that match it."""
     from attn_doctor.cli.known import machine_defects
     from attn_doctor.machine.fingerprint import collect_env
-    from attn_doctor.machine.te_probe import te_installed
+    from attn_doctor.machine.te_facts import te_installed
     from attn_doctor.render.env_view import env_rich_table
     from attn_doctor.results.report import dumps
 
-    report = collect_env(probe_te=not no_te and te_installed())
+    report = collect_env(read_te=not no_te and te_installed())
     defects = machine_defects(report)
     if as_json:
         click.echo(dumps({**report.to_dict(), "known_defects": defects}), nl=False)

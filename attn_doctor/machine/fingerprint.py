@@ -1,8 +1,8 @@
 """Machine fingerprint: driver, GPUs, torch, Transformer Engine, flash-attn, env vars.
 
 Pure collection; nothing here raises. A fact that could not be collected is a
-``Fact(None, note)`` whose note says why. TE is probed in a subprocess
-(:data:`TE_PROBE_CMD`) because importing it can fail, hang, or load a second cuDNN
+``Fact(None, note)`` whose note says why. TE is read in a subprocess
+(:data:`TE_FACTS_CMD`) because importing it can fail, hang, or load a second cuDNN
 into a process that already has torch's.
 """
 
@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attn_doctor.machine.te_probe import decode_cudnn_version, dist_version, te_package_versions
+from attn_doctor.machine.te_facts import decode_cudnn_version, dist_version, te_package_versions
 
-#: Command that runs the TE probe; tests replace it. Must print a JSON object last on stdout.
-TE_PROBE_CMD: list[str] = [sys.executable, "-m", "attn_doctor.machine.te_probe"]
+#: The command that reads TE's facts in a subprocess; tests replace it. Must print a JSON object last on stdout.
+TE_FACTS_CMD: list[str] = [sys.executable, "-m", "attn_doctor.machine.te_facts"]
 
 ENV_PREFIXES = ("NVTE_", "CUDNN_", "CUDA_", "TORCH_", "PYTORCH_", "NCCL_")
 # Words that make a variable's name suggest a secret: such variables are never collected, and reports
@@ -43,7 +43,7 @@ FLASH_ATTN_DISTS: dict[str, tuple[str, ...]] = {
 NOT_INSTALLED = "not installed"
 LATER_FACTS = ("cpu", "os")  # facts older results documents do not have
 IDENTITY_KEYS = ("hostname", "user", "home")  # who and where: recorded only so that reports can redact them
-NOT_PROBED = "not probed"
+NOT_PROBED = "not probed"  # a fact nobody asked for (the words every results document has used)
 
 
 @dataclass(frozen=True)
@@ -258,18 +258,18 @@ def _collect_torch() -> tuple[Fact, Fact, Fact, Fact]:
 # --------------------------------------------------------------------------- TE
 
 
-def _run_te_probe(cmd: Sequence[str], timeout_s: float) -> dict:
-    """Run the probe command; returns its JSON dict, or ``{"error": why}``."""
+def _read_te_in_subprocess(cmd: Sequence[str], timeout_s: float) -> dict:
+    """Run the command that reads TE's facts; returns its JSON dict, or ``{"error": why}``."""
     from attn_doctor.core import processes
 
     try:
         done = processes.run_collect(cmd, timeout_s, env=processes.child_env({"PYTHONWARNINGS": "ignore"}))
     except OSError as exc:
-        return {"error": f"TE probe could not start: {_first_line(exc)}"}
+        return {"error": f"reading TE's facts could not start: {_first_line(exc)}"}
     except Exception as exc:
-        return {"error": f"TE probe failed: {_first_line(exc)}"}
+        return {"error": f"reading TE's facts failed: {_first_line(exc)}"}
     if done.returncode is None:
-        return {"error": f"TE probe timed out after {timeout_s:g}s"}
+        return {"error": f"reading TE's facts timed out after {timeout_s:g}s"}
     for line in reversed(done.stdout.splitlines()):
         line = line.strip()
         if line.startswith("{"):
@@ -279,7 +279,7 @@ def _run_te_probe(cmd: Sequence[str], timeout_s: float) -> dict:
                 continue
             if isinstance(facts, dict):
                 return facts
-    why = f"TE probe exited with {processes.describe_exit(done.returncode)}"
+    why = f"reading TE's facts exited with {processes.describe_exit(done.returncode)}"
     last_err = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), None)
     if last_err:
         why += f": {last_err}"
@@ -291,22 +291,22 @@ def _version_fact(value: object) -> Fact:
 
 
 def _collect_te(
-    probe_te: bool, te_facts: Mapping | None, timeout_s: float, probe_cmd: Sequence[str] | None
+    read_te: bool, te_facts: Mapping | None, timeout_s: float, te_facts_cmd: Sequence[str] | None
 ) -> tuple[Fact, Fact, Fact, Fact]:
-    """te, te_core, te_torch, te_cudnn. Versions come from metadata, refined by the probe."""
+    """te, te_core, te_torch, te_cudnn. Versions come from metadata, refined by what TE reported in its subprocess."""
     try:
         meta = te_package_versions()
     except Exception:
         meta = {"te": None, "te_core": None, "te_torch": None}
 
     if te_facts is not None:
-        probed: Mapping | None = te_facts
-    elif probe_te:
-        probed = _run_te_probe(probe_cmd if probe_cmd is not None else TE_PROBE_CMD, timeout_s)
+        reported: Mapping | None = te_facts
+    elif read_te:
+        reported = _read_te_in_subprocess(te_facts_cmd if te_facts_cmd is not None else TE_FACTS_CMD, timeout_s)
     else:
-        probed = None
+        reported = None
 
-    if probed is None:
+    if reported is None:
         return (
             _version_fact(meta.get("te")),
             _version_fact(meta.get("te_core")),
@@ -314,15 +314,15 @@ def _collect_te(
             Fact(None, NOT_PROBED),
         )
 
-    error = _opt_str(probed.get("error"))
-    te = _version_fact(probed.get("te") or meta.get("te"))
-    if te.value and error and not probed.get("te_cudnn"):
-        te = Fact(te.value, "installed, but the probe failed (see TE cuDNN)")
-    te_core = _version_fact(probed.get("te_core") or meta.get("te_core"))
-    te_torch = _version_fact(probed.get("te_torch") or meta.get("te_torch"))
+    error = _opt_str(reported.get("error"))
+    te = _version_fact(reported.get("te") or meta.get("te"))
+    if te.value and error and not reported.get("te_cudnn"):
+        te = Fact(te.value, "installed, but reading it failed (see TE cuDNN)")
+    te_core = _version_fact(reported.get("te_core") or meta.get("te_core"))
+    te_torch = _version_fact(reported.get("te_torch") or meta.get("te_torch"))
 
-    encoded = probed.get("te_cudnn_int")
-    text = probed.get("te_cudnn")
+    encoded = reported.get("te_cudnn_int")
+    text = reported.get("te_cudnn")
     try:
         cudnn_value = _format_cudnn(int(encoded)) if encoded not in (None, "") else _opt_str(text)
     except (TypeError, ValueError):
@@ -414,16 +414,16 @@ def _safe(fn, fallback):
 
 def collect_env(
     *,
-    probe_te: bool = True,
+    read_te: bool = True,
     te_facts: dict | None = None,
     timeout_s: float = 120.0,
-    probe_cmd: Sequence[str] | None = None,
+    te_facts_cmd: Sequence[str] | None = None,
 ) -> EnvReport:
     """Collect the machine fingerprint; never raises.
 
-    ``te_facts``: a dict from :func:`attn_doctor.machine.te_probe.probe_loaded_te` produced in a
+    ``te_facts``: a dict from :func:`attn_doctor.machine.te_facts.loaded_te_facts` produced in a
     process that already imported TE; used instead of spawning the probe.
-    ``probe_cmd``: overrides :data:`TE_PROBE_CMD`.
+    ``te_facts_cmd``: overrides :data:`TE_FACTS_CMD`.
     """
     python = _safe(
         lambda: Fact(f"{platform.python_version()} ({platform.python_implementation()})"),
@@ -435,7 +435,7 @@ def collect_env(
     driver, gpus, gpus_note = _safe(_collect_nvml, lambda e: (Fact(None, e), (), e))
     torch_v, torch_cuda, torch_cudnn, cuda_available = _safe(_collect_torch, lambda e: (Fact(None, e),) * 4)
     te, te_core, te_torch, te_cudnn = _safe(
-        lambda: _collect_te(probe_te, te_facts, timeout_s, probe_cmd), lambda e: (Fact(None, e),) * 4
+        lambda: _collect_te(read_te, te_facts, timeout_s, te_facts_cmd), lambda e: (Fact(None, e),) * 4
     )
     te_cudnn = _flag_cudnn_mismatch(te_cudnn, torch_cudnn)
     flash = _safe(_collect_flash_attn, lambda e: {k: Fact(None, e) for k in FLASH_ATTN_DISTS})

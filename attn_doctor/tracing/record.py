@@ -600,7 +600,7 @@ def _write_env(path: Path) -> None:
     try:
         from attn_doctor.machine.fingerprint import collect_env
 
-        store.write_json(path, collect_env(probe_te=False).to_dict())
+        store.write_json(path, collect_env(read_te=False).to_dict())
     except Exception as exc:  # noqa: BLE001 - the fingerprint never stops a capture
         store.write_json(path, {"error": f"{type(exc).__name__}: {exc}"})
 

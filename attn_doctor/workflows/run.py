@@ -86,15 +86,15 @@ def plan(request: RunRequest) -> list[Coords]:
 
 
 def make_report(rows: list[Row], request_specs: list[BackendSpec], device: str, command: str,
-                facts: dict | None = None, probe_te: bool = True, interrupted: bool = False) -> RunReport:
+                facts: dict | None = None, read_te: bool = True, interrupted: bool = False) -> RunReport:
     """Judged rows -> the results document, with the machine's fingerprint (TE's facts from the TE worker
-    when it ran, else probed in a subprocess when `probe_te`)."""
+    when it ran, else probed in a subprocess when `read_te`)."""
     from attn_doctor import __version__
     from attn_doctor.machine.fingerprint import collect_env
-    from attn_doctor.machine.te_probe import te_installed
+    from attn_doctor.machine.te_facts import te_installed
 
     te_facts = (facts or {}).get("te_facts")
-    env = collect_env(te_facts=te_facts, probe_te=probe_te and te_facts is None and te_installed())
+    env = collect_env(te_facts=te_facts, read_te=read_te and te_facts is None and te_installed())
     return RunReport(command=command, device=device, env=env, rows=rows,
                      requested=list(dict.fromkeys(spec.name for spec in request_specs)),
                      tool_version=__version__, interrupted=interrupted,
@@ -141,7 +141,7 @@ def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
     except KeyboardInterrupt as exc:
         progress.end()
         finished = getattr(exc, "finished_rows", [])
-        raise RunInterrupted(make_report(finished, request.specs, request.device, request.command, probe_te=False,
+        raise RunInterrupted(make_report(finished, request.specs, request.device, request.command, read_te=False,
                                          interrupted=True)) from None
     progress.end()
     probes_s = time.perf_counter() - start

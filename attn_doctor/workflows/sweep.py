@@ -122,7 +122,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     request = plan.request
     progress = progress or ProgressSink()
     start = time.perf_counter()
-    plan.log.write_header(make_report([], request.specs, request.device, request.command, probe_te=False))
+    plan.log.write_header(make_report([], request.specs, request.device, request.command, read_te=False))
     rows = list(plan.done_rows)
     groups = [point.coords(request.specs) for point in plan.todo]
     progress.begin(sum(len(coords) for coords in groups), "probes")

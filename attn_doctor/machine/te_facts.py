@@ -1,12 +1,12 @@
-"""Probe Transformer Engine: versions and the cuDNN that TE itself loaded.
+"""What Transformer Engine is: its versions and the cuDNN that TE itself loaded, read in a process of its own.
 
-Run as ``python -m attn_doctor.machine.te_probe`` in a fresh process (importing TE can fail,
+Run as ``python -m attn_doctor.machine.te_facts`` in a fresh process (importing TE can fail,
 or poison a process that already loaded another cuDNN); it prints one JSON object on
 its last stdout line. A worker that already imported TE can call
-:func:`probe_loaded_te` in-process instead.
+:func:`loaded_te_facts` in-process instead.
 
 This module imports only the standard library at import time, and never touches
-torch's cuDNN: TE must be the first to load a cuDNN in the probe process.
+torch's cuDNN: TE must be the first to load a cuDNN in the process that reads it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import warnings
 
 from attn_doctor.core.errors import first_line
 
-PROBE_KEYS = ("te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "error")
+TE_FACT_KEYS = ("te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "error")
 
 _CORE_RE = re.compile(r"^transformer-engine-cu\d+$")
 
@@ -73,14 +73,14 @@ def decode_cudnn_version(encoded: int) -> str:
     return f"{major}.{minor}.{patch}"
 
 
-def probe_loaded_te() -> dict:
+def loaded_te_facts() -> dict:
     """Import TE (or reuse the loaded one) and report its versions and cuDNN; never raises.
 
     Returns a dict with keys ``te``, ``te_core``, ``te_torch``, ``te_cudnn`` (str or
     None), ``te_cudnn_int`` (int or None) and ``error`` (first line of the import or
     query error, else None).
     """
-    out: dict = dict.fromkeys(PROBE_KEYS)
+    out: dict = dict.fromkeys(TE_FACT_KEYS)
     try:
         out.update(te_package_versions())
     except Exception as exc:
@@ -117,9 +117,9 @@ def _main() -> int:
     try:
         os.dup2(2, 1)
         try:
-            facts = probe_loaded_te()
+            facts = loaded_te_facts()
         except BaseException as exc:  # KeyboardInterrupt/SystemExit from a misbehaving import
-            facts = dict.fromkeys(PROBE_KEYS)
+            facts = dict.fromkeys(TE_FACT_KEYS)
             facts["error"] = first_line(exc)
         sys.stdout.flush()
     finally:
