@@ -21,8 +21,8 @@ caches = Caches(dev)
 orig = inp.make_inputs
 
 def variant(kind):
-    def mk(case, device):
-        x = orig(case, device)
+    def mk(case, device, *source):
+        x = orig(case, device, *source)
         if kind == "equal_keys":
             x.k[:] = x.k[:, :1]
         elif kind == "equal_values":

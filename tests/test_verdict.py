@@ -42,8 +42,8 @@ BASELINE = select(["local"])[0]
 
 def _variant(transform):
     """make_inputs, then `transform(inputs)` in place."""
-    def make(case, device):
-        drawn = inputs_module.make_inputs(case, device)
+    def make(case, device, *source):
+        drawn = inputs_module.make_inputs(case, device, *source)
         if transform is not None:
             transform(drawn)
         return drawn
