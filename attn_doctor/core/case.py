@@ -157,6 +157,14 @@ class Case:
         """Identity of the inputs: cases with equal keys get bitwise-equal q, k, v, dout."""
         return dataclasses.astuple(self)
 
+    def plain(self) -> dict[str, Any]:
+        """Every field as a plain value, the softmax scale resolved, with what follows from the fields (each
+        sequence's lengths, the explicit mask's masked fraction, the bias tensor's shape): the case as the
+        torch-only numerics (`attn_doctor.numerics.standalone`) and the standalone repro's CASE take it."""
+        return {**dataclasses.asdict(self), "scale": self.softmax_scale, "lengths_q": list(self.lengths_q()),
+                "lengths_kv": list(self.lengths_kv()), "masked_fraction": self.masked_fraction,
+                "bias_shape": list(self.bias_shape) if self.bias.startswith("post_scale_bias") else None}
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["window"] = list(self.window) if self.window is not None else None
