@@ -122,9 +122,10 @@ class Backend(ABC):
     @classmethod
     @abstractmethod
     def repro_source(cls, spec: BackendSpec) -> str:
-        """Python source defining FORMAT ("bshd" or "sbhd") and `kernel(q, k, v, case) -> out` for the
-        standalone repro; it may use what the script defines before it (`allowed`, `megatron_local`, torch,
-        F, os; `case` is the case's dict)."""
+        """Python source defining FORMAT ("bshd", "sbhd" or "thd") and `kernel(q, k, v, case) -> out` for the
+        standalone repro; it may use what the script defines before it (`attn_doctor.numerics.standalone`'s
+        functions, `visible`, `added_bias`, `megatron_local`, EXPLICIT, BIAS, CU_SEQLENS, DEVICE, torch, F, os;
+        `case` is `Case.plain()` with the call's `sink`)."""
 
     @classmethod
     def prepare_process(cls) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 The script rebuilds the minimal case's inputs with the same seed and the same views, sets the same TE
 flags, runs the kernel, computes the float64 reference and the Megatron-local baseline, prints the
 errors and exits 1 while the path is still wrong, 0 once it is fixed. It is what a user attaches to a
-bug report, so it is written to be read: a header with the case, attn-doctor's own numerics
-(`attn_doctor.numerics.standalone`, verbatim), the case's inputs as attn-doctor draws them, the kernel
-path's call (TE's from `attn_doctor.backends.te_call`, verbatim) and a short main.
+bug report, so it is written to be read: a header with the case; attn-doctor's own numerics, the parts of
+`attn_doctor.numerics.standalone` it uses, verbatim (one implementation: attn-doctor computes with the same
+functions); the case's inputs, reference, baseline and rule through them; the kernel path's call (TE's built
+by `attn_doctor.backends.te_call`, verbatim); a short main.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 CASE = {case}
 LAYOUT = {layout!r}
 TP = {tp}
-# Padding masks: TE's cu_seqlens, where each sequence starts by its length and (thd) by its slot when packed.
+# Padding masks: TE's cu_seqlens (where each sequence starts; _padded: where its slot in a thd tensor starts).
 CU_SEQLENS = {cu_seqlens!r}
 '''
 

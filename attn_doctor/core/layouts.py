@@ -1,7 +1,8 @@
 """The memory layouts real frameworks hand to attention kernels, built as views (views stay views).
 
 Every layout holds the same values; only storage and strides differ, so whether a kernel honours strides
-is part of what is tested. Tensors are produced in the format a backend asks for: "bshd"
+is part of what is tested. The views are built by `attn_doctor.numerics.standalone.lay_out`, which the
+standalone repro scripts hold too. Tensors are produced in the format a backend asks for: "bshd"
 [batch, seq, heads, dim], "sbhd" [seq, batch, heads, dim] (Megatron's and TE's default) or "thd"
 [tokens, heads, dim] (sequences packed one after the other; see `Packing`).
 
