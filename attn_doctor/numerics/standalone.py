@@ -119,8 +119,6 @@ def sink_logits(generator: torch.Generator, case: dict, device: torch.device | s
 def draw_side_inputs(case: dict, device: torch.device | str) -> tuple[torch.Tensor | None, ...]:
     """The explicit mask, the bias and the sink logits (each None where the case has none), drawn from the
     side generator in this order."""
-    if case["mask"] != "arbitrary" and case["bias"] == "no_bias" and case["softmax"] == "vanilla":
-        return None, None, None
     generator = side_generator(case, device)
     explicit = draw_explicit_mask(generator, case, device) if case["mask"] == "arbitrary" else None
     bias = draw_bias(generator, case, device) if case["bias"].startswith("post_scale_bias") else None
