@@ -25,7 +25,8 @@ from attn_doctor.cli.options import build_grid
 from attn_doctor.core.case import INPUTS, Case, expand_grid, make_case
 from attn_doctor.core.coords import BackendSpec, Coords
 from attn_doctor.core.errors import BadInput
-from attn_doctor.numerics.inputs import OUTLIER_SCALE, TORCH_DTYPES, make_inputs, outlier_channels
+from attn_doctor.numerics.inputs import make_inputs
+from attn_doctor.numerics.standalone import OUTLIER_SCALE, TORCH_DTYPES, outlier_channels
 from cli_checks import one_line_error
 
 CPU = torch.device("cpu")

@@ -6,7 +6,6 @@ and named, the empty-row and padding rules, the FP8 yardstick, and the coverage 
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from attn_doctor.core import layouts
 from attn_doctor.core.case import Case, expand_grids, make_case
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import BadInput
-from attn_doctor.numerics import fp8_simulation
+from attn_doctor.numerics import fp8_simulation, views
 from attn_doctor.numerics.inputs import make_inputs
 from attn_doctor.numerics.masks import alibi_slopes, describe
 from attn_doctor.numerics.metrics import TensorMetrics
@@ -246,13 +245,13 @@ def test_thd_packs_each_sequence_in_its_slot_and_unpacks_exactly(layout, pad_bet
                      **SMALL)
     x = make_inputs(case, CPU)
     packed = layouts.packing(case)
-    qkv = layouts.build(layout, x.q, x.k, x.v, "thd", packed)
+    qkv = views.build(layout, x.q, x.k, x.v, "thd", packed)
     total = packed.cu_seqlens("q", padded=True)[-1]
     assert qkv.q.shape == (total, case.heads, case.head_dim)
     assert packed.cu_seqlens("q") == [0, 5, 5, 6, 9]
     assert packed.cu_seqlens("q", padded=True) == ([0, 6, 12, 18, 24] if pad_between else [0, 5, 5, 6, 9])
     for name, t, side in (("q", x.q, "q"), ("k", x.k, "kv"), ("v", x.v, "kv")):
-        back = layouts.to_bshd(getattr(qkv, name).detach(), "thd", packed, side)
+        back = views.to_bshd(getattr(qkv, name).detach(), "thd", packed, side)
         for b, n in enumerate(case.lengths_q()):
             assert torch.equal(back[b, :n], t[b, :n]), (name, b)
     if layout.startswith(("qkv_", "kv_")):

@@ -21,8 +21,8 @@ from attn_doctor.numerics.metrics import TensorMetrics, compare
 from attn_doctor.probes import call
 from attn_doctor.probes import caches as caches_module
 from attn_doctor.probes.caches import Caches
+from attn_doctor.numerics.standalone import BIAS_Z
 from attn_doctor.verdict.rule import (
-    BIAS_Z,
     BORDERLINE,
     EPS,
     FAIL,

@@ -122,9 +122,10 @@ class Backend(ABC):
     @classmethod
     @abstractmethod
     def repro_source(cls, spec: BackendSpec) -> str:
-        """Python source defining FORMAT ("bshd" or "sbhd") and `kernel(q, k, v, case) -> out` for the
-        standalone repro; it may use what the script defines before it (`allowed`, `megatron_local`, torch,
-        F, os; `case` is the case's dict)."""
+        """Python source defining FORMAT ("bshd", "sbhd" or "thd") and `kernel(q, k, v, case) -> out` for the
+        standalone repro; it may use what the script defines before it (`attn_doctor.numerics.standalone`'s
+        functions, `visible`, `added_bias`, `megatron_local`, EXPLICIT, BIAS, CU_SEQLENS, DEVICE, torch, F, os;
+        `case` is `Case.plain()` with the call's `sink`)."""
 
     @classmethod
     def prepare_process(cls) -> dict[str, Any]:
@@ -165,14 +166,14 @@ class Backend(ABC):
         padded rows get zero output gradient, so they add nothing to dk, dv."""
         import dataclasses
 
-        from attn_doctor.core import layouts
+        from attn_doctor.numerics import views
 
         fmt = self.format_for(case)
         full_case = dataclasses.replace(case, seq=k.shape[1])
         full = q.new_zeros(q.shape[0], k.shape[1], *q.shape[2:]).index_copy(1, positions, q)
-        out = self.forward(layouts.to_format(full, fmt), layouts.to_format(k, fmt), layouts.to_format(v, fmt),
+        out = self.forward(views.to_format(full, fmt), views.to_format(k, fmt), views.to_format(v, fmt),
                            full_case)
-        return layouts.to_bshd(out, fmt).index_select(1, positions)
+        return views.to_bshd(out, fmt).index_select(1, positions)
 
     def run_parallel(self, groups: ParallelGroups, case: Case, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, dout: torch.Tensor) -> tuple[list[torch.Tensor], str]:

@@ -38,7 +38,8 @@ import torch
 from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
-from attn_doctor.numerics.masks import Semantics, dense_allowed, dense_bias
+from attn_doctor.numerics.masks import Semantics
+from attn_doctor.numerics.standalone import kernel_keywords, needs_mask
 
 
 def parse_kernel_spec(text: str) -> BackendSpec:
@@ -111,15 +112,9 @@ def _defines(path: Path, name: str) -> bool:
     return False
 
 
-def needs_mask(case: Case) -> bool:
-    """Whether `causal` alone cannot describe the case's mask."""
-    return (case.padded or case.mask == "arbitrary" or case.window is not None
-            or case.bottom_right and case.seq != case.seq_kv)
-
-
 def required_keywords(case: Case) -> list[str]:
     """The keywords a kernel must take to be given this case."""
-    return ((["allowed"] if needs_mask(case) else []) + (["bias"] if case.bias != "no_bias" else [])
+    return ((["allowed"] if needs_mask(case.plain()) else []) + (["bias"] if case.bias != "no_bias" else [])
             + (["softmax_offset"] if case.softmax != "vanilla" else []))
 
 
@@ -142,10 +137,6 @@ def accepted_keywords(fn: Callable) -> set[str]:
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         names.add("**")
     return names
-
-
-def _lengths(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def load_function(target: str, func: str) -> Callable:
@@ -177,22 +168,13 @@ else:
 
 
 def kernel(q, k, v, case):
-    """The user's kernel with attn-doctor's --kernel keywords, each passed only when it takes it."""
+    """The user's kernel with attn-doctor's --kernel keywords (kernel_keywords), each passed only when it takes it."""
     fn = getattr(module, FUNC)
     taken = {{p.name for p in inspect.signature(fn).parameters.values()}}
     anything = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
-    bias = dense_bias()
-    padded = case["mask"].startswith("padding")
-    needs_mask = (padded or case["mask"] == "arbitrary" or case["window"] is not None
-                  or case["mask"].endswith("bottom_right") and case["seq"] != case["seq_kv"])
-    offered = {{"allowed": allowed() if needs_mask else None,
-               "bias": None if bias is None else bias.to(q.dtype), "softmax_offset": case["sink"],
-               "seqlens_q": torch.tensor(lengths("q"), dtype=torch.int32, device=DEVICE) if padded else None,
-               "seqlens_kv": torch.tensor(lengths("kv"), dtype=torch.int32, device=DEVICE) if padded else None,
-               "mask_type": case["mask"], "window": case["window"]}}
+    offered = kernel_keywords(case, EXPLICIT, BIAS, case["sink"], q.dtype, DEVICE)
     extra = {{name: value for name, value in offered.items() if anything or name in taken}}
-    return fn(q, k, v, causal="causal" in case["mask"], softmax_scale=case["scale"],
-              **extra)
+    return fn(q, k, v, causal="causal" in case["mask"], softmax_scale=case["scale"], **extra)
 '''
 
 
@@ -230,15 +212,7 @@ class UserKernel(Backend):
         if why_not:
             raise Unsupported(why_not)
         semantics = semantics or Semantics(case)
-        offered = {
-            "allowed": dense_allowed(semantics, q.device) if needs_mask(case) else None,
-            "bias": dense_bias(semantics, q.dtype, q.device),
-            "softmax_offset": semantics.sink,
-            "seqlens_q": _lengths(case.lengths_q(), q.device) if case.padded else None,
-            "seqlens_kv": _lengths(case.lengths_kv(), q.device) if case.padded else None,
-            "mask_type": case.mask,
-            "window": case.window,
-        }
+        offered = kernel_keywords(case.plain(), semantics.allowed, semantics.bias, semantics.sink, q.dtype, q.device)
         extra = {name: value for name, value in offered.items() if name in self.keywords or "**" in self.keywords}
         return self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, **extra)
 

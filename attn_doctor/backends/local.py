@@ -17,6 +17,9 @@ Departures, each needed to cover every case attn-doctor checks:
   fill's uniform row, which would make the baseline differ from exact by design on those rows;
 - FP8 (`--fp8`): the baseline is a simulation of a correct FP8 attention (`fp8_simulation`), since the
   yardstick of an FP8 kernel is what correct FP8 arithmetic gets, never the bf16 baseline's error.
+
+The computation is `attn_doctor.numerics.standalone.megatron_core_attention`, which the standalone repro
+scripts hold too.
 """
 
 from __future__ import annotations
@@ -25,12 +28,11 @@ import torch
 
 from attn_doctor.backends.base import Backend, BackendSpec, PathMemory
 from attn_doctor.core.case import DTYPE_BYTES, Case
-from attn_doctor.numerics import fp8_simulation
 from attn_doctor.numerics.masks import Semantics, dense_allowed, dense_bias
 from attn_doctor.numerics.reference import allowed_mask
+from attn_doctor.numerics.standalone import megatron_core_attention
 
-MEGATRON_MASK_FILL = -10000.0
-# The repro script defines megatron_local itself (it is the baseline every verdict needs).
+# The repro script has megatron_local (the baseline every verdict needs) whatever path it reproduces.
 REPRO_SOURCE = '''
 
 FORMAT = "sbhd"
@@ -39,54 +41,6 @@ FORMAT = "sbhd"
 def kernel(q, k, v, case):
     return megatron_local(q, k, v, case["sink"])
 '''
-
-
-def megatron_core_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, visible: torch.Tensor | None,
-    bias: torch.Tensor | None = None, sink: torch.Tensor | None = None, fp8: bool = False,
-) -> torch.Tensor:
-    """Megatron's core attention on sbhd tensors; `visible` is the boolean mask, broadcastable to
-    [batch, heads, seq_q, seq_kv] (None: all visible); `bias` is added to the scores, `sink` [heads] holds
-    the sink logits; `fp8` simulates a correct FP8 attention (`fp8_simulation`)."""
-    seq_q, batch, heads, head_dim = q.shape
-    seq_kv, _, kv_heads, _ = k.shape
-    head_dim_v = v.shape[-1]
-    if fp8:
-        q, k, v = (fp8_simulation.quantize(t, "e4m3", "e5m2") for t in (q, k, v))
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=2)
-        v = v.repeat_interleave(heads // kv_heads, dim=2)
-    q2 = q.reshape(seq_q, batch * heads, head_dim)
-    k2 = k.reshape(seq_kv, batch * heads, head_dim)
-    buffer = torch.empty(batch * heads, seq_q, seq_kv, dtype=q.dtype, device=q.device)
-    scores = torch.baddbmm(
-        buffer, q2.transpose(0, 1), k2.transpose(0, 1).transpose(1, 2), beta=0.0, alpha=softmax_scale
-    ).view(batch, heads, seq_q, seq_kv)
-
-    in_float16 = q.dtype in (torch.float16, torch.bfloat16)
-    x = scores.float() if in_float16 else scores
-    if fp8:
-        x = fp8_simulation.quantize(x, None, "e5m2")  # dS is quantised in the backward
-    if bias is not None:
-        x = x + bias.to(x.dtype)
-    if visible is not None:
-        x = x.masked_fill(~visible, MEGATRON_MASK_FILL)
-    if sink is not None:
-        column = sink.to(x.dtype).view(1, heads, 1, 1).expand(batch, heads, seq_q, 1)
-        probs = torch.softmax(torch.cat([x, column], dim=-1), dim=-1)[..., :seq_kv]
-    else:
-        probs = torch.softmax(x, dim=-1)
-    if visible is not None:
-        probs = probs * visible.any(dim=-1, keepdim=True)  # rows that see no key: 0 (TE's convention)
-    if fp8:
-        probs = fp8_simulation.quantize(probs, "e4m3", "e5m2")
-    if in_float16:
-        probs = probs.to(q.dtype)
-
-    v2 = v.reshape(seq_kv, batch * heads, head_dim_v)
-    context = torch.bmm(probs.reshape(batch * heads, seq_q, seq_kv), v2.transpose(0, 1))
-    out = context.view(batch, heads, seq_q, head_dim_v).permute(2, 0, 1, 3)
-    return fp8_simulation.quantize(out, "e4m3", "e5m2") if fp8 else out
 
 
 class LocalAttention(Backend):

@@ -17,8 +17,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, Unsupported
 from attn_doctor.core.case import DTYPE_BYTES, Case
-from attn_doctor.numerics.masks import Semantics, dense_allowed, dense_bias
+from attn_doctor.numerics.masks import Semantics
 from attn_doctor.numerics.reference import allowed_mask
+from attn_doctor.numerics.standalone import sdpa_mask
 
 KERNELS = {
     "math": SDPBackend.MATH,
@@ -62,22 +63,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 
 def kernel(q, k, v, case):
-    """PyTorch SDPA with only the {kernel} kernel allowed: plain causal self-attention as is_causal, every other
-    mask as a boolean attn_mask (True = attend), a bias as a float attn_mask with -inf where masked."""
+    """PyTorch SDPA with only the {kernel} kernel allowed, given the mask as attn-doctor gives it (sdpa_mask)."""
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     extra = {{"enable_gqa": True}} if case["kv_heads"] != case["heads"] else {{}}
-    dense = not case["mask"].startswith("padding") and case["mask"] != "arbitrary" and case.get("bias", "no_bias") == "no_bias"
-    plain_causal = dense and "causal" in case["mask"] and case["window"] is None and case["seq"] == case["seq_kv"]
-    mask = None
-    if not plain_causal:
-        visible = allowed()
-        mask = None if bool(visible.all()) else visible
-        bias = dense_bias()
-        if bias is not None:
-            mask = bias.to(q.dtype).masked_fill(~visible, float("-inf"))
+    mask, is_causal = sdpa_mask(case, EXPLICIT, BIAS, q.dtype, DEVICE)
     with sdpa_kernel([SDPBackend.{enum}]):
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=plain_causal,
-                                             scale=case["scale"], **extra)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=case["scale"],
+                                             **extra)
     return out.transpose(1, 2)
 '''
 
@@ -143,14 +135,8 @@ class SdpaKernel(Backend):
         """Plain causal self-attention as is_causal; every other mask as attn_mask (boolean, True = attend),
         a bias as a float attn_mask with -inf where masked."""
         semantics = semantics or Semantics(case)
-        dense = not case.padded and semantics.allowed is None and semantics.bias is None and semantics.alibi_slopes is None
-        if dense and case.causal and case.window is None and case.seq == case.seq_kv:
-            return self._attend(q, k, v, None, True, case)
-        mask = dense_allowed(semantics, q.device)
-        bias = dense_bias(semantics, q.dtype, q.device)
-        if bias is not None:
-            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-        return self._attend(q, k, v, mask, False, case)
+        mask, is_causal = sdpa_mask(case.plain(), semantics.allowed, semantics.bias, q.dtype, q.device)
+        return self._attend(q, k, v, mask, is_causal, case)
 
     def attend_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   case: Case) -> torch.Tensor:

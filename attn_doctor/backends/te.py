@@ -16,7 +16,9 @@ A case reaches TE as TE's API takes it: its qkv_format (q, k, v built in that fo
 (`dpa_arguments`); cu_seqlens (and the padded ones), the explicit mask (True = masked out), the bias or ALiBi
 at the call (`forward_arguments`); the learnable sink's values copied into TE's own `softmax_offset`, whose
 gradient is the one judged; FP8 through TE's autocast (the probe runs delayed scaling's warm-up step).
-`tests/test_te_wiring.py` checks this wiring on the CPU against a stand-in for DotProductAttention.
+These calls are built by `attn_doctor.backends.te_call`, whose source the standalone repro of a TE path
+holds, so the repro calls TE as attn-doctor does. `tests/test_te_wiring.py` checks this wiring on the CPU
+against a stand-in for DotProductAttention.
 
 TE is imported only inside worker and rank processes (`prepare_process`), before anything touches torch's
 cuDNN: a process that already used torch's cuDNN can fail to import TE (two cuDNN builds; see
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from attn_doctor.backends import te_call
 from attn_doctor.backends.base import (
     Backend,
     BackendSpec,
@@ -207,123 +210,57 @@ def describe_determinism(facts: dict[str, Any]) -> str:
     return ", deterministic requested, not honoured (" + "; ".join(facts["not_honoured_by"]) + ")"
 
 
-def attention_type(case: Case) -> str:
-    """TE's attention_type: "cross" whenever query and key lengths differ. Under "self" TE reads one padding
-    mask for both and its flash path reuses cu_seqlens_q for the keys."""
-    return "self" if case.seq == case.seq_kv and case.lengths_q() == case.lengths_kv() else "cross"
-
-
 def dpa_arguments(case: Case) -> dict:
     """DotProductAttention's constructor arguments for a case (no dropout), before any TP/CP ones."""
-    arguments = dict(
-        num_attention_heads=case.heads,
-        kv_channels=(case.head_dim, case.head_dim_v) if case.mla else case.head_dim,
-        num_gqa_groups=case.kv_heads,
-        attention_dropout=0.0,
-        qkv_format=case.qkv_format,
-        attn_mask_type=case.mask,
-        window_size=case.window,
-        softmax_scale=case.softmax_scale,
-    )
-    if attention_type(case) == "cross":
-        arguments["attention_type"] = "cross"
-    if case.softmax != "vanilla":
-        arguments["softmax_type"] = case.softmax
-    return arguments
+    return te_call.module_arguments(case.plain())
 
 
 def forward_arguments(case: Case, semantics: Semantics | None, device: torch.device) -> dict:
     """DotProductAttention.forward's keyword arguments for the case's lengths, mask and bias."""
     if semantics is None:
         return {}
-    arguments: dict[str, Any] = {}
-    if case.padded:  # every format: cu_seqlens (seen on the H200 to work for sbhd on every TE path)
-        packed = layouts.packing(case, semantics.slots)
-
-        def lengths(side: str, padded: bool = False) -> torch.Tensor:
-            return torch.tensor(packed.cu_seqlens(side, padded), dtype=torch.int32, device=device)
-
-        arguments.update(cu_seqlens_q=lengths("q"), cu_seqlens_kv=lengths("kv"), max_seqlen_q=case.seq,
-                         max_seqlen_kv=case.seq_kv)
-        if case.pad_between_seqs:
-            arguments.update(cu_seqlens_q_padded=lengths("q", True), cu_seqlens_kv_padded=lengths("kv", True),
-                             pad_between_seqs=True)
-    if semantics.allowed is not None:
-        arguments["attention_mask"] = ~semantics.allowed  # TE: True = masked out
-    if case.bias == "alibi":
-        arguments["core_attention_bias_type"] = "alibi"
-    elif semantics.bias is not None:
-        arguments.update(core_attention_bias_type="post_scale_bias", core_attention_bias=semantics.bias)
-    return arguments
+    cu_seqlens = layouts.packing(case, semantics.slots).cu_seqlens_arguments() if case.padded else {}
+    return te_call.forward_arguments(case.plain(), cu_seqlens, semantics.allowed, semantics.bias, device)
 
 
-def fp8_context(te_module: Any, recipe_name: str):
-    """TE's autocast with FP8 attention on (fp8_dpa) for `recipe_name` ("delayed" or "current"); nothing for
-    "none"."""
-    if recipe_name == "none":
-        return contextlib.nullcontext()
-    recipes = importlib.import_module("transformer_engine.common.recipe")
-    recipe = (recipes.DelayedScaling(fp8_dpa=True) if recipe_name == "delayed"
-              else recipes.Float8CurrentScaling(fp8_dpa=True))
-    if hasattr(te_module, "autocast"):
-        return te_module.autocast(enabled=True, recipe=recipe)
-    return te_module.fp8_autocast(enabled=True, fp8_recipe=recipe)
+def path_environment(path: str) -> dict[str, str]:
+    """The variables that force one TE path the way TE's own tests do: only its flag on; and TE's unfused path is
+    its FP8 emulation (otherwise disabled under FP8)."""
+    flags = {flag: "1" if name == path else "0" for name, flag in FLAGS.items()}
+    return {**flags, UNFUSED_FP8_EMULATION: "1" if path == "unfused" else "0"}
 
 
+# The TE part of the standalone repro: te_call's source, then the call attn-doctor makes with it.
 REPRO_SOURCE = '''
 
-FORMAT = CASE.get("qkv_format", "sbhd")
+FORMAT = CASE["qkv_format"]
 # Force TE's {path} backend the way TE's own tests do: only its flag on, selection cache invalidated.{determinism}
 os.environ.update({flags})
 {sub_backend}
 import contextlib  # noqa: E402
-import itertools  # noqa: E402
+import importlib  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402  (after the flags: TE reads NVTE_* at import and per call)
 from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa  # noqa: E402
 
 
+'''
+REPRO_KERNEL = '''
+
 def kernel(q, k, v, case):
-    """TE's DotProductAttention called as attn-doctor calls it: the case's format, mask type, window, lengths
-    (cu_seqlens), explicit mask (attention_mask, True = masked out), bias, softmax type and FP8 recipe."""
+    """TE's DotProductAttention called as attn-doctor calls it (the functions above); FP8 delayed scaling first
+    takes one warm-up step on the same inputs and output gradient, whose amaxes give the measured step's scales."""
     global SINK_LEAF
     dpa._attention_backends["backend_selection_requires_update"] = True
-    d, dv = case["head_dim"], case.get("head_dim_v") or case["head_dim"]
-    options = dict(num_gqa_groups=case["kv_heads"], attention_dropout=0.0, qkv_format=FORMAT,
-                   attn_mask_type=case["mask"], window_size=tuple(case["window"]) if case["window"] else None,
-                   softmax_scale=case["scale"])
-    if case["seq"] != case["seq_kv"] or lengths("q") != lengths("kv"):
-        options["attention_type"] = "cross"
-    if case.get("softmax", "vanilla") != "vanilla":
-        options["softmax_type"] = case["softmax"]
-    module = te.DotProductAttention(case["heads"], d if dv == d else (d, dv), **options)
-    call = {{}}
-    if case["mask"].startswith("padding"):
-        cu = lambda n: torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=DEVICE)
-        call.update(cu_seqlens_q=cu(lengths("q")), cu_seqlens_kv=cu(lengths("kv")), max_seqlen_q=case["seq"],
-                    max_seqlen_kv=case["seq_kv"])
-        if case.get("pad_between_seqs"):
-            call.update(cu_seqlens_q_padded=cu(slots("q")), cu_seqlens_kv_padded=cu(slots("kv")), pad_between_seqs=True)
-    if case["mask"] == "arbitrary":
-        call["attention_mask"] = ~EXPLICIT
-    if case.get("bias", "no_bias") == "alibi":
-        call["core_attention_bias_type"] = "alibi"
-    elif case.get("bias", "no_bias") != "no_bias":
-        call.update(core_attention_bias_type="post_scale_bias", core_attention_bias=BIAS)
-    if case.get("softmax") == "learnable":
-        with torch.no_grad():
-            module.softmax_offset.copy_(case["sink"].detach())
-        SINK_LEAF = module.softmax_offset  # TE differentiates its own parameter
-    context = contextlib.nullcontext
-    if case.get("fp8", "none") != "none":
-        from transformer_engine.common import recipe as recipes
-        fp8 = recipes.DelayedScaling(fp8_dpa=True) if case["fp8"] == "delayed" else recipes.Float8CurrentScaling(fp8_dpa=True)
-        context = lambda: te.autocast(enabled=True, recipe=fp8)
-        if case["fp8"] == "delayed":  # one warm-up step (this output gradient): its amaxes give the scales
-            with context():
-                warm = module(q, k, v, **call)
-            torch.autograd.grad(warm, (q, k, v), WARMUP_DOUT.reshape(warm.shape), allow_unused=True)
-    with context():
+    module = te.DotProductAttention(**module_arguments(case))
+    call = forward_arguments(case, CU_SEQLENS, EXPLICIT, BIAS, DEVICE)
+    if case["softmax"] == "learnable":
+        SINK_LEAF = load_sink(module, case["sink"])
+    if case["fp8"] == "delayed":
+        with fp8_autocast(te, case["fp8"]):
+            warm = module(q, k, v, **call)
+        torch.autograd.grad(warm, (q, k, v), WARMUP_DOUT.reshape(warm.shape), allow_unused=True)
+    with fp8_autocast(te, case["fp8"]):
         out = module(q, k, v, **call)
     state = dpa._attention_backends
     print("TE ran:", "FusedAttention sub-backend %s" % int(state["fused_attention_backend"])
@@ -331,7 +268,7 @@ def kernel(q, k, v, case):
           "| layout:", getattr(state["attention_params"], "qkv_layout", "?"),
           "| deterministic: DotProductAttention %s, backend selection %s" % (
               getattr(module, "deterministic", "?"), getattr(state["attention_params"], "deterministic", "?")))
-    return out.view(*q.shape[:-2], case["heads"], dv)
+    return out.view(*q.shape[:-2], case["heads"], case["head_dim_v"])
 '''
 
 
@@ -374,15 +311,18 @@ class TEAttention(Backend):
 
     @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:
+        from attn_doctor.core.source_text import module_body
+
         options = spec.options
-        flags = {flag: "1" if path == options["path"] else "0" for path, flag in FLAGS.items()}
+        flags = path_environment(options["path"])
         determinism = ""
         if options.get("deterministic"):  # read when each DotProductAttention is built, as attn-doctor built its
             flags[NONDETERMINISTIC_FLAG] = "0"
             determinism = f"\n# Deterministic mode: {NONDETERMINISTIC_FLAG}=0 when DotProductAttention is built."
         sub = (f'os.environ["NVTE_FUSED_ATTN_BACKEND"] = "{options["sub_backend"]}"'
                if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)')
-        return REPRO_SOURCE.format(path=options["path"], flags=repr(flags), sub_backend=sub, determinism=determinism)
+        return (REPRO_SOURCE.format(path=options["path"], flags=repr(flags), sub_backend=sub, determinism=determinism)
+                + module_body(te_call) + REPRO_KERNEL)
 
     @classmethod
     def prepare_process(cls) -> dict:
@@ -431,14 +371,11 @@ class TEAttention(Backend):
         return self._modules[key]
 
     def _force(self) -> None:
-        for path, flag in FLAGS.items():
-            os.environ[flag] = "1" if path == self.path else "0"
+        os.environ.update(path_environment(self.path))
         if self.sub_backend is not None:
             os.environ["NVTE_FUSED_ATTN_BACKEND"] = self.sub_backend
         else:
             os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)
-        # FP8 cases: TE's unfused path is its FP8 emulation (otherwise disabled under FP8).
-        os.environ[UNFUSED_FP8_EMULATION] = "1" if self.path == "unfused" else "0"
         self._te.state["backend_selection_requires_update"] = True
         cache = getattr(getattr(self._te, "dpa_module", None), "_alibi_cache", None)
         if isinstance(cache, dict):  # TE refreshes its ALiBi bias on new max lengths only, not on new lengths
@@ -450,7 +387,7 @@ class TEAttention(Backend):
         self._force()
         self._te.capture.lines.clear()
         try:
-            with fp8_context(self._te.te, fp8):
+            with te_call.fp8_autocast(self._te.te, fp8):
                 out = module(q, k, v, **arguments)
         except ValueError as exc:
             if NO_BACKEND_MESSAGE not in str(exc):
@@ -468,9 +405,7 @@ class TEAttention(Backend):
         module = self._module(case)
         arguments = forward_arguments(case, semantics, q.device)
         if case.softmax == "learnable" and semantics is not None:
-            with torch.no_grad():
-                module.softmax_offset.copy_(semantics.sink.detach().to(module.softmax_offset.dtype))
-            module.softmax_offset.grad = None
+            te_call.load_sink(module, semantics.sink)
         out = self._call(module, q, k, v, case.fp8, **arguments)
         self._last_module = module
         return out.view(*q.shape[:-2], case.heads, case.head_dim_v)

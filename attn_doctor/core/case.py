@@ -27,7 +27,7 @@ MASK_ALIASES = {"none": "no_mask"}
 MASK_NAMES = MASKS + tuple(MASK_ALIASES)  # every name a mask may be given by
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 # The formats an attention call takes q, k, v in: TE's, and a captured SDPA call's [b, h, s, d]
-# (`attn_doctor.tracing.replay`), which is what a known-defect rule's qkv_format may name.
+# (`attn_doctor.tracing.replay_case`), which is what a known-defect rule's qkv_format may name.
 CALL_FORMATS = QKV_FORMATS + ("bhsd",)
 # TE's core_attention_bias_type, with post_scale_bias's shape: "post_scale_bias:1hss" etc.
 BIAS_SHAPES = ("1hss", "11ss", "b1ss", "bhss", "111s")
@@ -163,6 +163,14 @@ class Case:
     def key(self) -> tuple:
         """Identity of the inputs: cases with equal keys get bitwise-equal q, k, v, dout."""
         return dataclasses.astuple(self)
+
+    def plain(self) -> dict[str, Any]:
+        """Every field as a plain value, the softmax scale resolved, with what follows from the fields (each
+        sequence's lengths, the explicit mask's masked fraction, the bias tensor's shape): the case as the
+        torch-only numerics (`attn_doctor.numerics.standalone`) and the standalone repro's CASE take it."""
+        return {**dataclasses.asdict(self), "scale": self.softmax_scale, "lengths_q": list(self.lengths_q()),
+                "lengths_kv": list(self.lengths_kv()), "masked_fraction": self.masked_fraction,
+                "bias_shape": list(self.bias_shape) if self.bias.startswith("post_scale_bias") else None}
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -1,4 +1,6 @@
-"""The memory layouts real frameworks hand to attention kernels, built as views (views stay views).
+"""The memory layouts real frameworks hand to attention kernels, by name: which a case can hold, which a run
+feeds, and where a packed tensor's sequences sit (`Packing`). Their views are built in
+`attn_doctor.numerics.views` (views stay views).
 
 Every layout holds the same values; only storage and strides differ, so whether a kernel honours strides
 is part of what is tested. Tensors are produced in the format a backend asks for: "bshd"
@@ -21,12 +23,7 @@ TE's packed layouts, in whatever format the backend takes (TE's qkv_layout names
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # torch is imported where views are built, so that the command line can list layouts fast
-    import torch
 
 LAYOUTS = ("contiguous", "sb3hd_packed", "sbh3d_packed", "head_slice", "transposed", "qkv_3hd", "qkv_h3d",
            "kv_2hd", "kv_h2d")
@@ -80,13 +77,10 @@ class Packing:
     slots_q: tuple[int, ...]
     slots_kv: tuple[int, ...]
 
-    def index(self, side: str, device) -> torch.Tensor:
-        """Flat positions (b * seq + p) in the padded tensor of the packed tensor's tokens, in order."""
-        import torch
-
-        seq, slot_sizes = (self.seq_q, self.slots_q) if side == "q" else (self.seq_kv, self.slots_kv)
-        parts = [torch.arange(n, device=device) + b * seq for b, n in enumerate(slot_sizes)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+    def cu_seqlens_arguments(self) -> dict[str, list[int]]:
+        """TE's cu_seqlens_q / _kv and their _padded offsets, by argument name."""
+        return {f"cu_seqlens_{side}{'_padded' if padded else ''}": self.cu_seqlens(side, padded)
+                for padded in (False, True) for side in ("q", "kv")}
 
     def cu_seqlens(self, side: str, padded: bool = False) -> list[int]:
         """TE's cu_seqlens (or cu_seqlens_*_padded): the running sum of lengths (or slots), from 0."""
@@ -109,109 +103,6 @@ def packing(case, own_slots: tuple[tuple[int, ...], tuple[int, ...]] | None = No
                    slots(lengths_kv, case.seq_kv, case.pad_between_seqs))
 
 
-@dataclass
-class QKV:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    leaves: tuple[torch.Tensor, ...]  # the storage tensors that require grad (kept alive for autograd)
-
-
-def to_format(t_bshd: torch.Tensor, fmt: str, packed: Packing | None = None, side: str = "q") -> torch.Tensor:
-    """A bshd tensor seen in `fmt` (a view; for thd, the sequences' tokens gathered by `packed`, a copy)."""
-    if fmt == "thd":
-        flat = t_bshd.reshape(t_bshd.shape[0] * t_bshd.shape[1], *t_bshd.shape[2:])
-        return flat.index_select(0, packed.index(side, t_bshd.device))
-    return t_bshd if fmt == "bshd" else t_bshd.transpose(0, 1)
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_()
-
-
-def _contiguous(q, k, v, fmt, packed):
-    leaves = tuple(_leaf(to_format(t, fmt, packed, side)) for t, side in ((q, "q"), (k, "kv"), (v, "kv")))
-    return QKV(*leaves, leaves=leaves)
-
-
-def _packed(dim: int, kv_only: bool):
-    """A builder of TE's packed layouts: q, k, v (or k, v) stacked at `dim` (-3: [..., n, h, d]; -2:
-    [..., h, n, d]) in one buffer, each a slice of it."""
-    def build(q, k, v, fmt, packed):
-        import torch
-
-        tensors = [to_format(t, fmt, packed, side) for t, side in ((q, "q"), (k, "kv"), (v, "kv"))]
-        if kv_only:
-            q_leaf, buffer = _leaf(tensors[0]), _leaf(torch.stack(tensors[1:], dim=dim))
-            return QKV(q_leaf, buffer.select(dim, 0), buffer.select(dim, 1), leaves=(q_leaf, buffer))
-        buffer = _leaf(torch.stack(tensors, dim=dim))
-        return QKV(*(buffer.select(dim, i) for i in range(3)), leaves=(buffer,))
-    return build
-
-
-def _sb3hd(q, k, v, fmt, packed):
-    import torch
-
-    buffer = torch.stack([t.transpose(0, 1) for t in (q, k, v)], dim=2)  # [s, b, 3, h, d]
-    buffer = _leaf(buffer)
-    views = [buffer[:, :, i] for i in range(3)]  # sbhd views
-    if fmt == "bshd":
-        views = [x.transpose(0, 1) for x in views]
-    return QKV(*views, leaves=(buffer,))
-
-
-def _sbh3d(q, k, v, fmt, packed):
-    import torch
-
-    b, s, h, d = q.shape
-    kv_heads = k.shape[2]
-    group = h // kv_heads
-    qs = q.transpose(0, 1).reshape(s, b, kv_heads, group * d)
-    buffer = _leaf(torch.cat([qs, k.transpose(0, 1).reshape(s, b, kv_heads, d), v.transpose(0, 1)
-                              .reshape(s, b, kv_heads, d)], dim=-1))  # [s, b, kv_heads, (group + 2) d]
-    q_part, k_view, v_view = torch.split(buffer, [group * d, d, d], dim=-1)
-    q_view = q_part.reshape(s, b, h, d)  # a view without GQA; a copy under GQA, exactly as Megatron does
-    views = [q_view, k_view, v_view]
-    if fmt == "bshd":
-        views = [x.transpose(0, 1) for x in views]
-    return QKV(*views, leaves=(buffer,))
-
-
-def _head_slice(q, k, v, fmt, packed):
-    import torch
-
-    views, leaves = [], []
-    generator = torch.Generator(device=q.device).manual_seed(7)
-    for t, side in ((q, "q"), (k, "kv"), (v, "kv")):
-        other = torch.randn(t.shape, generator=generator, device=t.device, dtype=torch.float32).to(t.dtype)
-        wide = _leaf(to_format(torch.cat([other, t], dim=2), fmt, packed, side))  # [.., 2 heads, d]
-        heads = t.shape[2]
-        views.append(wide[..., heads:, :])
-        leaves.append(wide)
-    return QKV(*views, leaves=tuple(leaves))
-
-
-def _transposed(q, k, v, fmt, packed):
-    other = "sbhd" if fmt == "bshd" else "bshd"
-    leaves = tuple(_leaf(to_format(t, other)) for t in (q, k, v))
-    return QKV(*(t.transpose(0, 1) for t in leaves), leaves=leaves)
-
-
-_BUILDERS: dict[str, Callable] = {
-    "contiguous": _contiguous,
-    "sb3hd_packed": _sb3hd,
-    "sbh3d_packed": _sbh3d,
-    "head_slice": _head_slice,
-    "transposed": _transposed,
-    "qkv_3hd": _packed(-3, kv_only=False),
-    "qkv_h3d": _packed(-2, kv_only=False),
-    "kv_2hd": _packed(-3, kv_only=True),
-    "kv_h2d": _packed(-2, kv_only=True),
-}
-
-
 def layout_unsupported(layout: str, case) -> str | None:
     """Why `layout` cannot hold this case (`attn_doctor.core.case.Case`), or None when it can."""
     if layout == CAPTURED:
@@ -231,28 +122,3 @@ def layout_unsupported(layout: str, case) -> str | None:
         if heads != kv_heads:
             return f"{layout} packs q, k, v in one buffer, so it needs as many kv heads as heads (use kv_2hd for GQA)"
     return None
-
-
-def build(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
-          packed: Packing | None = None) -> QKV:
-    """q, k, v (bshd values) laid out as `layout`, presented in `fmt`, each requiring grad (thd: packed by
-    `packed`)."""
-    if layout not in _BUILDERS:
-        raise ValueError(f"unknown layout {layout!r}")
-    # No torch.no_grad() here: the views must be taken with grad tracking on, so that autograd
-    # reaches them; q, k, v themselves do not require grad, so building the buffers records nothing.
-    return _BUILDERS[layout](q.detach(), k.detach(), v.detach(), fmt, packed)
-
-
-def to_bshd(t: torch.Tensor, fmt: str, packed: Packing | None = None, side: str = "q") -> torch.Tensor:
-    """A tensor in `fmt` seen as bshd (a view; for thd, scattered into a zero-padded tensor, slot padding
-    included at the positions past each sequence's length)."""
-    if fmt == "thd":
-        import torch
-
-        seq = packed.seq_q if side == "q" else packed.seq_kv
-        batch = len(packed.lengths_q)
-        flat = torch.zeros(batch * seq, *t.shape[1:], dtype=t.dtype, device=t.device)
-        flat.index_copy_(0, packed.index(side, t.device), t)
-        return flat.view(batch, seq, *t.shape[1:])
-    return t if fmt == "bshd" else t.transpose(0, 1)

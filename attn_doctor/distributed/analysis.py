@@ -9,11 +9,11 @@ import time
 from collections.abc import Callable
 
 from attn_doctor.backends import BASELINE, Backend, Unsupported
-from attn_doctor.core import layouts
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import first_line
 from attn_doctor.distributed.context import Context
 from attn_doctor.distributed.grid import TENSORS, grid_position, parallel_label
+from attn_doctor.numerics import views
 from attn_doctor.numerics.inputs import Inputs, synchronize
 from attn_doctor.numerics.metrics import compare, relative_distance
 from attn_doctor.numerics.reference import Reference, attention_reference
@@ -22,10 +22,10 @@ from attn_doctor.numerics.reference import Reference, attention_reference
 def single_process_run(ctx: Context, backend: Backend, case: Case, inputs: Inputs) -> list:
     """The backend on the full tensors in this one process (contiguous, its own format): bshd out, dq, dk, dv."""
     fmt = backend.format_for(case)
-    leaves = [layouts.to_format(t, fmt).contiguous().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
+    leaves = [views.to_format(t, fmt).contiguous().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
     out = backend.forward(*leaves, case)
-    grads = ctx.torch.autograd.grad(out, leaves, layouts.to_format(inputs.dout, fmt).contiguous())
-    return [layouts.to_bshd(t.detach(), fmt) for t in (out, *grads)]
+    grads = ctx.torch.autograd.grad(out, leaves, views.to_format(inputs.dout, fmt).contiguous())
+    return [views.to_bshd(t.detach(), fmt) for t in (out, *grads)]
 
 
 class RankZero:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 
 from attn_doctor.backends import Backend, ParallelGroups, Unsupported
-from attn_doctor.core import layouts
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import kernel_code
 from attn_doctor.distributed.collectives import (
@@ -33,6 +32,7 @@ from attn_doctor.distributed.collectives import (
     ring_reduce_seq,
 )
 from attn_doctor.distributed.context import Context, guarded
+from attn_doctor.numerics import views
 
 A2A_METHOD = "all_to_all sequence <-> heads (Ulysses), the backend unchanged on the full sequence"
 
@@ -99,10 +99,10 @@ def run_tp_only(ctx: Context, backend: Backend, shard_case: Case, q, k, v, dout)
     fmt = backend.format_for(shard_case)
 
     def work():
-        leaves = [layouts.to_format(t, fmt).contiguous().requires_grad_() for t in (q, k, v)]
-        tensors, ran = forward_backward(ctx, backend, leaves, layouts.to_format(dout, fmt).contiguous(),
+        leaves = [views.to_format(t, fmt).contiguous().requires_grad_() for t in (q, k, v)]
+        tensors, ran = forward_backward(ctx, backend, leaves, views.to_format(dout, fmt).contiguous(),
                                         lambda: backend.forward(*leaves, shard_case))
-        return [layouts.to_bshd(t, fmt).contiguous() for t in tensors], ran
+        return [views.to_bshd(t, fmt).contiguous() for t in tensors], ran
 
     ctx.compute("the backend's forward/backward")
     return _agreed(ctx, "the backend", work)
@@ -137,10 +137,10 @@ def run_cp_a2a(ctx: Context, backend: Backend, case: Case, shard_case: Case, q, 
     a2a_case = dataclasses.replace(shard_case, heads=q_a.shape[2], kv_heads=k_a.shape[2], seq=seq, seq_kv=seq)
 
     def work():
-        leaves = [layouts.to_format(t, fmt).contiguous().requires_grad_() for t in (q_a, k_a, v_a)]
-        tensors, ran = forward_backward(ctx, backend, leaves, layouts.to_format(dout_a, fmt).contiguous(),
+        leaves = [views.to_format(t, fmt).contiguous().requires_grad_() for t in (q_a, k_a, v_a)]
+        tensors, ran = forward_backward(ctx, backend, leaves, views.to_format(dout_a, fmt).contiguous(),
                                         lambda: backend.forward(*leaves, a2a_case))
-        return [layouts.to_bshd(t, fmt) for t in tensors], ran
+        return [views.to_bshd(t, fmt) for t in tensors], ran
 
     ctx.compute("the backend's forward/backward")
     tensors, ran = _agreed(ctx, "the backend", work)

@@ -98,7 +98,8 @@ class ReferenceStore:
         return tensors
 
     def _compute(self, case: Case, layers: int | None) -> tuple[torch.Tensor, ...]:
-        from attn_doctor.numerics.inputs import TORCH_DTYPES, make_inputs, synchronize
+        from attn_doctor.numerics.inputs import make_inputs, synchronize
+        from attn_doctor.numerics.standalone import TORCH_DTYPES
         from attn_doctor.numerics.reference import attention_reference
         from attn_doctor.probes.stack import float64_replica_dqs
         from attn_doctor.tracing.replay_source import source_of

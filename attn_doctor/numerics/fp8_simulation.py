@@ -13,39 +13,11 @@ A per-tensor amax scale is what TE's delayed scaling converges to on repeated id
 case's probe runs one warm-up step with the same inputs and output gradient first; `attn_doctor.probes.call`),
 so the simulation and the kernel quantise with the same scales up to the amax history's margin. Everything else in fp32, so the yardstick is the quantisation's
 error, the part of an FP8 kernel's error any correct FP8 implementation shares.
+
+The implementation is `attn_doctor.numerics.standalone.quantize`, shared with the standalone repro scripts;
+the local baseline (`standalone.megatron_core_attention`, fp8=True) applies it where listed above.
 """
 
-from __future__ import annotations
+from attn_doctor.numerics.standalone import quantize
 
-import torch
-
-FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def _round(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    """x rounded to `fmt` with a per-tensor scale (amax to the format's largest value), back in x's dtype."""
-    if fmt is None:
-        return x
-    dtype = FORMATS[fmt]
-    amax = x.detach().abs().amax().float()
-    if not torch.isfinite(amax) or amax == 0:
-        return x
-    scale = torch.finfo(dtype).max / amax
-    return ((x.float() * scale).to(dtype).float() / scale).to(x.dtype)
-
-
-class _Quantize(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, forward_format, backward_format):
-        ctx.backward_format = backward_format
-        return _round(x, forward_format)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _round(grad, ctx.backward_format), None, None
-
-
-def quantize(x: torch.Tensor, forward_format: str | None, backward_format: str | None) -> torch.Tensor:
-    """x rounded to `forward_format` in the forward, and the gradient reaching it rounded to
-    `backward_format` in the backward (None: unchanged)."""
-    return _Quantize.apply(x, forward_format, backward_format)
+__all__ = ["quantize"]

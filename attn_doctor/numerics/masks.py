@@ -1,6 +1,8 @@
 """What an attention call computes beyond q k^T: which (query, key) pairs each mask type lets through, the
 bias added to the scores, and the softmax's sink, exactly as TE defines them. Every path that is not TE
-(the float64 reference, the local baseline, PyTorch SDPA, a user's kernel) gets them from here.
+(the float64 reference, the local baseline, PyTorch SDPA, a user's kernel) gets them from here: a case's
+`Semantics`, and the dense masks and biases computed from them by `attn_doctor.numerics.standalone` (which
+the standalone repro scripts hold too).
 
 Visibility, per sequence of `len_q` queries and `len_kv` keys (TE 2.20.2, `utils.get_full_mask` and
 `DotProductAttention.forward`): query i sees key j when
@@ -20,7 +22,7 @@ A query that sees no key ("fully masked row") outputs 0 and passes no gradient: 
 float64 reference computes, and what the verdict expects (`attn_doctor.verdict.rule`).
 
 Bias (`core_attention_bias_type`): `post_scale_bias` adds a tensor of shape 1hss, 11ss, b1ss, bhss or
-111s to the scaled scores; `alibi` adds -slope_h |i + diag - j| with TE's default slopes (below). The
+111s to the scaled scores; `alibi` adds -slope_h |i + diag - j| with TE's default slopes (`standalone.alibi_slopes`). The
 bias carries no gradient here (attn-doctor does not judge dBias).
 
 Softmax type (TE's `softmax_type`): `off-by-one` adds a logit of 0 to each row's denominator, `learnable`
@@ -32,16 +34,14 @@ a logit per head (TE's `softmax_offset` parameter, whose gradient is judged as `
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 
 from attn_doctor.core.case import Case
+from attn_doctor.numerics import standalone
 from attn_doctor.numerics.source import Slots
-
-TOP_LEFT_MASKS = ("causal", "padding_causal")
-BOTTOM_RIGHT_MASKS = ("causal_bottom_right", "padding_causal_bottom_right")
+from attn_doctor.numerics.standalone import TOP_LEFT_MASKS, alibi_slopes
 
 
 @dataclass(frozen=True)
@@ -62,45 +62,16 @@ class Visibility:
 
     def sees_a_key(self, rows: torch.Tensor, seq_kv: int) -> torch.Tensor:
         """Boolean like `rows` (query positions): which of them see at least one of keys [0, seq_kv)."""
-        shifted = rows + self.diag
-        first = (shifted - self.left).clamp(min=0) if self.left >= 0 else torch.zeros_like(shifted)
-        stop = (shifted + self.right + 1).clamp(max=seq_kv) if self.right >= 0 else torch.full_like(shifted, seq_kv)
-        return stop > first
+        return standalone.sees_a_key(self.left, self.right, self.diag, rows, seq_kv)
+
+    def pairs(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
+        """Boolean [len(rows), len(cols)]: which (query, key) pairs it lets through; None when all."""
+        return standalone.visible_pairs(self.left, self.right, self.diag, rows, cols)
 
 
 def visibility(case: Case, len_q: int, len_kv: int) -> Visibility:
     """The visibility of one sequence of the case (TE's rules, see the module docstring)."""
-    left, right = case.window if case.window is not None else (-1, -1)
-    if case.causal:
-        right = 0
-    bottom_right = case.mask in BOTTOM_RIGHT_MASKS or (case.mask not in TOP_LEFT_MASKS and case.window is not None)
-    return Visibility(left, right, len_kv - len_q if bottom_right else 0)
-
-
-def alibi_diag(case: Case, len_q: int, len_kv: int) -> int:
-    """ALiBi's diagonal: bottom-right unless the mask is top-left causal (TE's `get_alibi`)."""
-    return 0 if case.mask in TOP_LEFT_MASKS else len_kv - len_q
-
-
-def alibi_slopes(heads: int) -> torch.Tensor:
-    """TE's default ALiBi slopes (`utils.get_alibi`): 2^(-8 k / n), k = 1..n for the largest power of two
-    n <= heads, then 2^(-4 k / n), k = 1, 3, 5, ... for the remaining heads. float64 [heads]."""
-    n = 2 ** math.floor(math.log2(heads))
-    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
-    slopes += [2.0 ** (-4.0 * k / n) for k in range(1, 2 * (heads - n), 2)]
-    return torch.tensor(slopes, dtype=torch.float64)
-
-
-def visible_pairs(vis: Visibility, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
-    """Boolean [len(rows), len(cols)]: which (query, key) pairs `vis` lets through; None when all."""
-    mask = None
-    shifted = rows[:, None] + vis.diag
-    if vis.right >= 0:
-        mask = cols[None, :] <= shifted + vis.right
-    if vis.left >= 0:
-        lower = cols[None, :] >= shifted - vis.left
-        mask = lower if mask is None else mask & lower
-    return mask
+    return Visibility(*standalone.visibility(case.mask, case.window, len_q, len_kv))
 
 
 @dataclass
@@ -138,10 +109,8 @@ class Semantics:
     def bias_of(self, b: int, len_q: int, len_kv: int, device: torch.device) -> torch.Tensor | None:
         """The float64 bias of sequence b, broadcastable to [heads, len_q, len_kv] (ALiBi materialised)."""
         if self.alibi_slopes is not None:
-            diag = alibi_diag(self.case, self.case.lengths_q()[b], self.case.lengths_kv()[b])
-            distance = (torch.arange(len_q, device=device)[:, None] + diag
-                        - torch.arange(len_kv, device=device)[None, :]).abs().to(torch.float64)
-            return -self.alibi_slopes.to(device)[:, None, None] * distance
+            return standalone.alibi_bias(self.alibi_slopes, self.case.mask, self.case.lengths_q()[b],
+                                         self.case.lengths_kv()[b], len_q, len_kv, device)
         if self.bias is None:
             return None
         bias = self.bias[min(b, self.bias.shape[0] - 1)]
@@ -160,48 +129,18 @@ def dense_allowed(semantics: Semantics, device: torch.device) -> torch.Tensor | 
     """Boolean [batch or 1, 1, seq_q, seq_kv] of the visible pairs of every sequence, padding included (a
     padded query sees nothing, a padded key is seen by nobody); None when every pair is visible. What the
     paths that take an explicit mask (SDPA, the local baseline, a user's kernel) are given."""
-    case = semantics.case
-    rows, cols = torch.arange(case.seq, device=device), torch.arange(case.seq_kv, device=device)
-    if not case.padded and semantics.allowed is None:
-        vis = semantics.visibility(0)
-        mask = visible_pairs(vis, rows, cols)
-        return None if mask is None else mask[None, None]
-    masks = []
-    for b in range(case.batch):
-        mask = visible_pairs(semantics.visibility(b), rows, cols)
-        mask = torch.ones(case.seq, case.seq_kv, dtype=torch.bool, device=device) if mask is None else mask
-        mask &= (rows < case.lengths_q()[b])[:, None] & (cols < case.lengths_kv()[b])[None, :]
-        if semantics.allowed is not None:
-            mask &= semantics.allowed[b, 0].to(device)
-        masks.append(mask)
-    return torch.stack(masks)[:, None]
+    return standalone.dense_allowed(semantics.case.plain(), semantics.allowed, device)
 
 
 def dense_bias(semantics: Semantics, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """The bias as a tensor broadcastable to [batch, heads, seq_q, seq_kv] in `dtype` (ALiBi materialised
     per sequence), for the paths that take an additive mask; None without a bias."""
-    case = semantics.case
-    if semantics.alibi_slopes is None:
-        return None if semantics.bias is None else semantics.bias.to(device=device, dtype=dtype)
-    return torch.stack([semantics.bias_of(b, case.seq, case.seq_kv, device) for b in range(case.batch)]).to(dtype)
-
-
-def rows_seeing_keys(semantics: Semantics, device: torch.device) -> torch.Tensor:
-    """Boolean [batch, seq_q]: the valid queries that see at least one key (a bias or sink does not count).
-    Without an explicit mask this is computed from the visibility's edges, never from a seq_q x seq_kv mask."""
-    case = semantics.case
-    if semantics.allowed is not None:
-        return dense_allowed(semantics, device)[:, 0].any(dim=-1)
-    rows = torch.arange(case.seq, device=device)
-    return torch.stack([semantics.visibility(b).sees_a_key(rows, case.lengths_kv()[b]) & (rows < case.lengths_q()[b])
-                        for b in range(case.batch)])
+    return standalone.dense_bias(semantics.case.plain(), semantics.bias, dtype, device)
 
 
 def valid_tokens(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Boolean [batch, seq_q] and [batch, seq_kv]: the tokens that exist (not padding)."""
-    q = torch.arange(case.seq, device=device)[None, :] < torch.tensor(case.lengths_q(), device=device)[:, None]
-    kv = torch.arange(case.seq_kv, device=device)[None, :] < torch.tensor(case.lengths_kv(), device=device)[:, None]
-    return q, kv
+    return standalone.valid_tokens(case.plain(), device)
 
 
 def describe(case: Case) -> list[str]:

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from attn_doctor.numerics.standalone import error_figures, error_sums, safe_ratio
+
 CHUNK_ELEMENTS = 1 << 24
 
 
@@ -57,6 +59,19 @@ class TensorMetrics:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def figures(self) -> dict[str, float | int]:
+        """The fields by the names `standalone.error_figures` gives them (what `standalone.judge_figures` reads)."""
+        return {figure: getattr(self, field) for field, figure in FIGURES.items()}
+
+
+# TensorMetrics' fields by the names of `standalone.error_figures` (the standalone repro scripts' names).
+FIGURES = {"rel_err": "rel", "max_abs_err": "max_abs", "cosine": "cosine", "worst_head_rel_err": "worst_rel",
+           "nan": "nan", "inf": "inf", "ref_nonfinite": "ref_nonfinite", "scaled_err": "scaled",
+           "worst_head_scaled_err": "worst", "cancellation": "cancellation", "noise_ratio": "noise",
+           "worst_head_noise_ratio": "head_noise", "bias": "bias", "bias_z": "bias_z", "head_bias": "head_bias",
+           "head_bias_z": "head_bias_z", "empty_rows": "empty_rows", "empty_rows_max": "empty_max",
+           "empty_rows_nonfinite": "empty_nonfinite"}
+
 
 def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None = None,
             rows: torch.Tensor | None = None, empty_rows: torch.Tensor | None = None) -> TensorMetrics:
@@ -66,128 +81,19 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tenso
     the fp32 scores' rounding (`Reference.terms`); without them the scale is the exact norm alone.
     `rows` (bool, [batch, seq] or [batch, seq, heads]) are the rows compared; the others (padding, rows that
     see no key) neither dilute nor inflate any figure. `empty_rows` (same shapes) are measured on their own:
-    how large and how finite the candidate is there."""
-    if terms is not None and terms.dim() == 3:  # one set of magnitudes: the noise's scale too
-        terms = terms[..., None].expand(*terms.shape, 2)
+    how large and how finite the candidate is there. The sums and figures are `standalone.error_sums` and
+    `standalone.error_figures`, taken here a stretch of the sequence at a time."""
     if candidate.shape != reference.shape:
         raise ValueError(f"shape {tuple(candidate.shape)} differs from the reference's {tuple(reference.shape)}")
-    batch, seq, heads = candidate.shape[:3]
-    per_position = max(1, candidate[:, :1].numel())
-    step = max(1, CHUNK_ELEMENTS // per_position)
-    f64 = torch.float64
-    zero = torch.zeros((), dtype=f64, device=reference.device)
-    sq_diff, sq_ref, sq_cand, dot, max_abs = zero.clone(), zero.clone(), zero.clone(), zero.clone(), zero.clone()
-    head_sq_diff = torch.zeros(batch, heads, dtype=f64, device=reference.device)
-    head_sq_ref = torch.zeros_like(head_sq_diff)
-    head_terms = torch.zeros(batch, heads, 2, dtype=f64, device=reference.device)
-    head_proj, head_proj_sq = torch.zeros_like(head_sq_diff), torch.zeros_like(head_sq_diff)
-    nan = inf = ref_nonfinite = 0
-    empty_max, empty_nonfinite, empty_count = zero.clone(), 0, 0
-
-    def row_mask(mask: torch.Tensor | None, start: int) -> torch.Tensor | None:
-        if mask is None:
-            return None
-        part = mask[:, start : start + step].to(reference.device)
-        return (part[..., None] if part.dim() == 2 else part)[..., None]  # [b, s, 1 or h, 1]
-
-    for start in range(0, seq, step):
-        x = candidate[:, start : start + step].to(device=reference.device, dtype=f64)
-        r = reference[:, start : start + step]
-        empty = row_mask(empty_rows, start)
-        if empty is not None and bool(empty.any()):
-            on_empty = torch.where(empty, x, 0.0)
-            empty_nonfinite += int((~torch.isfinite(on_empty)).sum())
-            empty_max = torch.maximum(empty_max, torch.nan_to_num(on_empty, nan=0.0, posinf=0.0, neginf=0.0).abs().max())
-            empty_count += int(empty.expand(*x.shape[:3], 1).sum())
-        counted = row_mask(rows, start)
-        if counted is not None:
-            x, r = torch.where(counted, x, 0.0), torch.where(counted, r, 0.0)
-        x_finite, r_finite = torch.isfinite(x), torch.isfinite(r)
-        nan += int(torch.isnan(x).sum())
-        inf += int(torch.isinf(x).sum())
-        ref_nonfinite += int((~r_finite).sum())
-        both = x_finite & r_finite
-        x = torch.where(both, x, 0.0)
-        r = torch.where(both, r, 0.0)
-        diff = x - r
-        sq_diff += diff.square().sum()
-        sq_ref += r.square().sum()
-        sq_cand += x.square().sum()
-        dot += (x * r).sum()
-        if diff.numel():
-            max_abs = torch.maximum(max_abs, diff.abs().max())
-        head_sq_diff += diff.square().sum(dim=(1, 3))
-        head_sq_ref += r.square().sum(dim=(1, 3))
-        row_proj = (diff * r).sum(dim=3)  # [batch, seq, heads]
-        head_proj += row_proj.sum(dim=1)
-        head_proj_sq += row_proj.square().sum(dim=1)
-        if terms is not None:
-            part = terms[:, start : start + step].to(device=reference.device, dtype=f64)
-            if counted is not None:
-                part = torch.where(counted, part, 0.0)
-            head_terms += part.sum(dim=1)
-    ref_norm = math.sqrt(float(sq_ref))
-    cand_norm = math.sqrt(float(sq_cand))
-    diff_norm = math.sqrt(float(sq_diff))
-    rel = safe_ratio(diff_norm, ref_norm)
-    cosine = float(dot) / (ref_norm * cand_norm) if ref_norm > 0 and cand_norm > 0 else (1.0 if rel == 0 else 0.0)
-    head_rel = _ratios(head_sq_diff, head_sq_ref)
-    worst = math.sqrt(float(head_rel.max())) if head_rel.numel() else 0.0
-    head_scale_sq = head_sq_ref + head_terms[..., 0]
-    head_noise_sq = head_sq_ref + head_terms[..., 1]
-    scale = math.sqrt(float(head_scale_sq.sum()))
-    noise_ratio = math.sqrt(safe_ratio(float(head_noise_sq.sum()), float(head_scale_sq.sum()))) if scale > 0 else 1.0
-    head_noise = torch.where(head_scale_sq > 0, head_noise_sq / head_scale_sq.clamp_min(1e-300), 1.0)
-    head_scaled = _ratios(head_sq_diff, head_scale_sq)
-    bias, bias_z = _bias(float(head_proj.sum()), float(head_proj_sq.sum()), float(sq_ref))
-    head_bias = head_bias_z = 0.0
-    if head_proj.numel():
-        head_z = torch.where(head_proj_sq > 0, head_proj / head_proj_sq.clamp_min(1e-300).sqrt(), 0.0)
-        at = int(head_z.abs().argmax())
-        head_bias, head_bias_z = _bias(*(float(t.flatten()[at]) for t in (head_proj, head_proj_sq, head_sq_ref)))
-    return TensorMetrics(
-        rel, float(max_abs), cosine, worst, nan, inf, ref_nonfinite,
-        scaled_err=safe_ratio(diff_norm, scale),
-        worst_head_scaled_err=math.sqrt(float(head_scaled.max())) if head_scaled.numel() else 0.0,
-        cancellation=ref_norm / scale if scale > 0 else 1.0,
-        noise_ratio=noise_ratio,
-        worst_head_noise_ratio=math.sqrt(float(head_noise.max())) if head_noise.numel() else 1.0,
-        bias=bias, bias_z=bias_z, head_bias=head_bias, head_bias_z=head_bias_z,
-        empty_rows=empty_count,
-        empty_rows_max=safe_ratio(float(empty_max), _rms_row(float(sq_ref), rows, candidate.shape)),
-        empty_rows_nonfinite=empty_nonfinite,
-    )
-
-
-def _rms_row(sq_ref: float, rows: torch.Tensor | None, shape: torch.Size) -> float:
-    """The root-mean-square norm of the compared rows of the exact tensor: the size a row has."""
-    batch, seq, heads = shape[:3]
-    if rows is None:
-        count = batch * seq * heads
-    else:
-        count = int(rows.sum()) * (heads if rows.dim() == 2 else 1)
-    return math.sqrt(sq_ref / count) if count else 0.0
-
-
-def safe_ratio(err: float, scale: float) -> float:
-    """err / scale, where a zero scale (nothing to compute: the exact result and all its terms are 0)
-    makes any error infinitely large and no error 0."""
-    if scale > 0:
-        return err / scale
-    return 0.0 if err == 0 else math.inf
-
-
-def _ratios(sq_err: torch.Tensor, sq_scale: torch.Tensor) -> torch.Tensor:
-    """Elementwise squared `safe_ratio`."""
-    out = torch.where(sq_scale > 0, sq_err / sq_scale.clamp_min(1e-300), sq_err * math.inf)
-    return torch.nan_to_num(out, nan=0.0, posinf=math.inf)
-
-
-def _bias(projection: float, projection_sq: float, ref_sq: float) -> tuple[float, float]:
-    """(bias, bias_z) from sum_rows <e, r>, sum_rows <e, r>^2 and ||r||^2; (0, 0) where r is 0."""
-    if ref_sq <= 0 or projection_sq <= 0:
-        return 0.0, 0.0
-    return projection / ref_sq, projection / math.sqrt(projection_sq)
+    step = max(1, CHUNK_ELEMENTS // max(1, candidate[:, :1].numel()))
+    sums = None
+    for start in range(0, max(1, candidate.shape[1]), step):  # once at least: an empty tensor has figures too
+        stretch = slice(start, start + step)
+        sums = error_sums(candidate[:, stretch], reference[:, stretch], None if terms is None else terms[:, stretch],
+                          None if rows is None else rows[:, stretch],
+                          None if empty_rows is None else empty_rows[:, stretch], into=sums)
+    figures = error_figures(sums)
+    return TensorMetrics(**{field: figures[figure] for field, figure in FIGURES.items()})
 
 
 def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:

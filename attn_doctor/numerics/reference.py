@@ -8,6 +8,12 @@ tiles a causal or sliding-window mask hides entirely are skipped, and the mask i
 cuts. GQA is handled by folding each group of query heads into the rows of its key/value head, so k and v
 are never expanded.
 
+The plain formula, all scores materialised, is a second implementation on purpose:
+`attn_doctor.numerics.standalone.dense_reference` (`naive_reference` here). The standalone repro scripts
+compute it, as their minimal cases are small and a reader checks it at a glance; attn-doctor needs this
+tiled one, as seq_q x seq_kv float64 scores do not fit at the lengths it checks. tests/test_te_api.py and
+tests/test_standalone.py hold the two equal (every mask type, length, window, bias and sink).
+
 Most of the time goes into the matmuls. To keep the element-wise passes over the tiles few (they are
 bound by memory bandwidth), the row sums and the backward's delta ride inside the matmuls on an extra
 column (see `_extended`), and ordinary scores need no softmax shift: exp is the only element-wise pass of
@@ -54,7 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attn_doctor.numerics.masks import Semantics, Visibility, visible_pairs
+from attn_doctor.numerics import standalone
+from attn_doctor.numerics.masks import Semantics, Visibility
 
 # Bytes for float64 score tiles. On CUDA: at seq 131072, 1024 rows of 4 heads' probabilities kept (4 GiB),
 # 18.6 GiB in all with 16 heads.
@@ -117,7 +124,7 @@ def allowed_mask(
 ) -> torch.Tensor | None:
     """Boolean [len(rows), len(cols)] mask of visible (query, key) pairs under top-left causal / window
     semantics, or None when all are visible (the TP, depth and distributed probes' dense cases)."""
-    return visible_pairs(Visibility.top_left(causal, window), rows, cols)
+    return Visibility.top_left(causal, window).pairs(rows, cols)
 
 
 def _mask_tile(scores: torch.Tensor, q0: int, q1: int, c0: int, c1: int, group: int, vis: Visibility) -> None:
@@ -133,7 +140,7 @@ def _mask_tile(scores: torch.Tensor, q0: int, q1: int, c0: int, c1: int, group: 
         return
     rows = torch.arange(q0, q1, device=scores.device).repeat(group)
     for r0, r1 in ranges:
-        visible = visible_pairs(vis, rows, torch.arange(r0, r1, device=scores.device))
+        visible = vis.pairs(rows, torch.arange(r0, r1, device=scores.device))
         scores[..., r0 - c0:r1 - c0].masked_fill_(~visible, float("-inf"))
 
 
@@ -291,7 +298,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
     k_ext = _extended(per_kv_head(k), 1.0)  # [pairs, s_kv, d + pad]
     v_ext = _extended(per_kv_head(v), 1.0)
     v_squared = v_ext[..., :head_dim_v].square() if dout is not None and with_terms else None
-    score_precision = _score_precision(q.dtype)
+    score_precision = standalone.score_precision(q.dtype)
     out = torch.zeros(pairs, group, seq_q, head_dim_v, dtype=f64, device=device)
     lse = torch.full((pairs, group, seq_q), float("-inf"), dtype=f64, device=device)
     grads = terms = dsink = None
@@ -538,19 +545,6 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
         terms[0][:, :, q0:q1] = (row_out_terms * both * inverse_sum.square()[..., None]).view(pairs, group, n, 2)
 
 
-def _score_precision(dtype: torch.dtype) -> float:
-    """The unit roundoff of the scores a kernel computes (fp32 for 16- and 32-bit inputs, the inputs' own
-    beyond) over the inputs' unit roundoff."""
-    inputs = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    scores = min(torch.finfo(torch.float32).eps, inputs)
-    return scores / inputs
-
-
-# The same by the dtype names cases use (for the standalone repro scripts).
-SCORE_PRECISION = {name: _score_precision(dtype)
-                   for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))}
-
-
 def _score_bound_of_all(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
     """An upper bound on every |score|: max |q| * max |k| * scale."""
     def largest_norm(t: torch.Tensor) -> torch.Tensor:
@@ -613,69 +607,16 @@ def naive_reference(
     bias: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
 ) -> Reference:
-    """The plain float64 formula through autograd, materialising all scores (tests and benchmarks only).
+    """The plain float64 formula through autograd, materialising all scores (`standalone.dense_reference`,
+    what the standalone repro scripts compute; here for tests and benchmarks).
 
     `allowed` (bool, broadcastable to [batch, heads, seq_q, seq_kv], True = visible) replaces the causal /
     window mask; `bias` is added to the scaled scores; `sink` [heads] is a sink logit per head, whose
     gradient is returned as dsink (through autograd, independently of the tiled formula)."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
-    sink64 = None if sink is None else sink.detach().to(torch.float64).requires_grad_()
-    qh = q64.transpose(1, 2)
-    kh = k64.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    vh = v64.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale
-    seq_q, seq_kv = scores.shape[-2:]
-    if bias is not None:
-        scores = scores + bias.to(torch.float64)
-    mask = allowed if allowed is not None else allowed_mask(
-        torch.arange(seq_q, device=q.device), torch.arange(seq_kv, device=q.device), causal, window
-    )
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sink64 is not None:
-        scores = torch.cat([scores, sink64[None, :, None, None].expand(*scores.shape[:-1], 1)], -1)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
-    sink_probs = probs[..., seq_kv] if sink64 is not None else None
-    probs = probs[..., :seq_kv]
-    out = torch.matmul(probs, vh).transpose(1, 2)
-    do64 = dout.to(torch.float64)
-    leaves = (q64, k64, v64) + ((sink64,) if sink64 is not None else ())
-    grads = torch.autograd.grad(out, leaves, do64, allow_unused=True)
-    dq, dk, dv = grads[:3]
-    # The term magnitudes, materialised (see "Term magnitudes" above); per head, then summed over groups.
-    probs = probs.detach()
-    do_h = do64.transpose(1, 2)
-    a_term = torch.matmul(do_h.square(), vh.detach().square().transpose(-1, -2)).sqrt()
-    b_term = (do_h * out.detach().transpose(1, 2)).square().sum(-1, keepdim=True).sqrt()
-    sizes = (probs * (a_term + b_term)).square()
-    amplified = (1 + 2 * _score_precision(q.dtype) * torch.where(torch.isfinite(lse), lse, 0.0).abs().detach()).square()
-    k_sq, v_sq = kh.detach().square().sum(-1), vh.detach().square().sum(-1)
-    q_sq, do_sq = qh.detach().square().sum(-1), do_h.square().sum(-1)
-
-    def both(rows: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., 2]: as they are, and with each query row's g^2 (on the rows, or on `weights` summed over)."""
-        if weights is None:
-            return torch.stack([rows, rows * amplified], -1)
-        return torch.stack([rows @ weights[..., None], rows @ (weights * amplified)[..., None]], -1).squeeze(-2)
-    group = heads // kv_heads
-
-    def per_kv(t: torch.Tensor) -> torch.Tensor:  # [b, h, s_kv, 2] -> [b, s_kv, kv_heads, 2], summed over groups
-        return t.view(t.shape[0], kv_heads, group, *t.shape[2:]).sum(2).transpose(1, 2)
-
-    sink_grad = {}
-    if sink64 is not None:
-        sink_terms = both((sink_probs.detach() * b_term[..., 0]).square()).sum(dim=(0, 2))  # [heads, 2]
-        sink_grad = {"dsink": grads[3].view(1, 1, heads, 1), "dsink_terms": sink_terms.view(1, 1, heads, 2)}
-    return Reference(
-        out.detach(), dq, dk, dv, lse.detach(),
-        out_terms=both((probs.square() @ v_sq[..., None]).squeeze(-1)).transpose(1, 2),
-        dq_terms=both((sizes @ k_sq[..., None]).squeeze(-1)).transpose(1, 2) * softmax_scale**2,
-        dk_terms=per_kv(both(sizes.transpose(-1, -2), q_sq)) * softmax_scale**2,
-        dv_terms=per_kv(both(probs.square().transpose(-1, -2), do_sq)),
-        **sink_grad,
-    )
+    if allowed is None:
+        allowed = allowed_mask(torch.arange(q.shape[1], device=q.device), torch.arange(k.shape[1], device=q.device),
+                               causal, window)
+    return Reference(**standalone.dense_reference(q, k, v, dout, softmax_scale, allowed, bias, sink))
 
 
 def reference_bytes(batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int, head_dim: int,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from attn_doctor.core.case import Case
-    from attn_doctor.core.layouts import QKV
+    from attn_doctor.numerics.views import QKV
 
 # A packed call's slots per side (query side, key side): each sequence's length plus the padding after it.
 Slots = tuple[tuple[int, ...], tuple[int, ...]]

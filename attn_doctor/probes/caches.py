@@ -12,7 +12,6 @@ import torch
 
 from attn_doctor.core.case import Case
 from attn_doctor.numerics.inputs import (
-    TORCH_DTYPES,
     Inputs,
     make_inputs,
     release_cached_memory,
@@ -20,6 +19,7 @@ from attn_doctor.numerics.inputs import (
 )
 from attn_doctor.numerics.reference import Reference, attention_reference
 from attn_doctor.numerics.source import SourceOf, seeded
+from attn_doctor.numerics.standalone import TORCH_DTYPES
 
 # Called with a short description as a long probe advances (a depth stack's layers).
 Progress = Callable[[str], None]

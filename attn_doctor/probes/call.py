@@ -12,26 +12,16 @@ from attn_doctor.backends import Backend, Unsupported
 from attn_doctor.core import layouts
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import kernel_code
+from attn_doctor.numerics import views
 from attn_doctor.numerics.inputs import synchronize
-from attn_doctor.numerics.masks import rows_seeing_keys, valid_tokens, with_sink_leaf
+from attn_doctor.numerics.masks import valid_tokens, with_sink_leaf
 from attn_doctor.numerics.metrics import compare
+from attn_doctor.numerics.standalone import compared_rows
 from attn_doctor.probes.caches import Caches, Progress
 from attn_doctor.probes.outcome import ProbeOutcome
 from attn_doctor.probes.repeats import Repeats
 
 TENSORS = ("out", "dq", "dk", "dv")
-
-
-def _row_masks(inputs, valid_q: torch.Tensor, valid_kv: torch.Tensor, device: torch.device
-               ) -> dict[str, dict[str, torch.Tensor | None]]:
-    """Per tensor, which rows are compared (`rows`) and which are judged by the empty-row rule (`empty_rows`):
-    valid tokens only; query rows that see no key on their own (`attn_doctor.numerics.masks`). None: all."""
-    seeing = rows_seeing_keys(inputs.semantics, device)
-    if bool(seeing.all()) and bool(valid_kv.all()):
-        return {}  # no padding, and every query sees a key: nothing to leave out (the common case)
-    q_side = {"rows": valid_q & seeing, "empty_rows": valid_q & ~seeing}
-    kv_side = {"rows": valid_kv, "empty_rows": None}
-    return {"out": q_side, "dq": q_side, "dk": kv_side, "dv": kv_side}
 
 
 def _padding_counts(tensor: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
@@ -73,11 +63,11 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
         qkv = source.views(case, inputs.q, inputs.k, inputs.v, fmt)
         dout = source.dout(case, inputs.dout)  # dO as the run's backward got it, when captured
     else:
-        qkv = layouts.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
+        qkv = views.build(coords.layout, inputs.q, inputs.k, inputs.v, fmt, packed)
     if dout is None:
-        dout = layouts.to_format(inputs.dout, fmt, packed).contiguous()
+        dout = views.to_format(inputs.dout, fmt, packed).contiguous()
     valid = valid_tokens(case, device)
-    masks = _row_masks(inputs, *valid, device)
+    masks = compared_rows(case.plain(), inputs.semantics.allowed, device)
     record = Repeats(repeats)
     ran_texts: list[str] = []
     if case.fp8 == "delayed":
@@ -104,7 +94,7 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
             grads[3:])
         seconds["kernel"] += time.perf_counter() - start
         start = time.perf_counter()
-        got = {name: layouts.to_bshd(t.detach(), fmt, packed, "q" if name in ("out", "dq") else "kv")
+        got = {name: views.to_bshd(t.detach(), fmt, packed, "q" if name in ("out", "dq") else "kv")
                for name, t in zip(TENSORS, (out, *grads[:3]))}
         if reference.dsink is not None:
             dsink = grads[3] if sink is not None and grads[3] is not None else torch.zeros(case.heads, device=device)

@@ -12,7 +12,8 @@ from attn_doctor.backends import Backend, Unsupported
 from attn_doctor.core.case import tp_shard
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import kernel_code
-from attn_doctor.numerics.inputs import TORCH_DTYPES, release_cached_memory, synchronize
+from attn_doctor.numerics.inputs import release_cached_memory, synchronize
+from attn_doctor.numerics.standalone import TORCH_DTYPES
 from attn_doctor.numerics.metrics import compare, relative_distance
 from attn_doctor.probes.caches import Caches, Progress
 from attn_doctor.probes.outcome import ProbeOutcome

@@ -9,10 +9,10 @@ import time
 import torch
 
 from attn_doctor.backends import Backend, Unsupported
-from attn_doctor.core import layouts
 from attn_doctor.core.case import tp_shard
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import kernel_code
+from attn_doctor.numerics import views
 from attn_doctor.numerics.inputs import synchronize
 from attn_doctor.numerics.metrics import compare, relative_distance
 from attn_doctor.probes.caches import Caches, Progress
@@ -30,8 +30,8 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     case, tp, device = coords.case, coords.tp, caches.device
     inputs, reference = caches.case.get(case)
     fmt = backend.format_for(case)
-    full = layouts.build("contiguous", inputs.q, inputs.k, inputs.v, fmt)
-    dout = layouts.to_format(inputs.dout, fmt).contiguous()
+    full = views.build("contiguous", inputs.q, inputs.k, inputs.v, fmt)
+    dout = views.to_format(inputs.dout, fmt).contiguous()
     shard_case = tp_shard(case, tp)
     hq, hkv = shard_case.heads, shard_case.kv_heads
     start = time.perf_counter()
@@ -50,11 +50,11 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     seconds = {"reference": caches.case.reference_seconds, "kernel": time.perf_counter() - start}
     joined = [torch.cat([p[i].detach() for p in parts], dim=2) for i in range(4)]
     metrics = {
-        name: compare(layouts.to_bshd(t, fmt), reference.tensors()[name], reference.terms(name))
+        name: compare(views.to_bshd(t, fmt), reference.tensors()[name], reference.terms(name))
         for name, t in zip(TENSORS, joined)
     }
     extra = {
-        f"{name}_vs_tp1": relative_distance(layouts.to_bshd(t, fmt), layouts.to_bshd(u, fmt))
+        f"{name}_vs_tp1": relative_distance(views.to_bshd(t, fmt), views.to_bshd(u, fmt))
         for name, t, u in zip(TENSORS, joined, unsharded)
     }
     return ProbeOutcome("ok", ran=ran, metrics=metrics, seconds=seconds, extra=extra)

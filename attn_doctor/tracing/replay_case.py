@@ -30,7 +30,7 @@ import torch
 
 from attn_doctor.core.case import Case, make_case
 from attn_doctor.core.errors import BadInput
-from attn_doctor.numerics.inputs import TORCH_DTYPES
+from attn_doctor.numerics.standalone import TORCH_DTYPES
 from attn_doctor.tracing.store import HEADER, CapturedCall, load_values, read_capture
 
 # attn-doctor's dtype names by torch's, as a capture records them: "bfloat16" -> "bf16".

@@ -16,9 +16,10 @@ import torch
 from attn_doctor.backends.base import Unsupported
 from attn_doctor.core import layouts
 from attn_doctor.core.case import Case
-from attn_doctor.core.layouts import QKV
-from attn_doctor.numerics.inputs import TORCH_DTYPES
+from attn_doctor.numerics import views
 from attn_doctor.numerics.source import SEEDED, Slots, Source
+from attn_doctor.numerics.standalone import TORCH_DTYPES
+from attn_doctor.numerics.views import QKV
 from attn_doctor.tracing.replay_case import (
     captured_tensor,
     lengths_of,
@@ -127,7 +128,7 @@ def _seeded_through_storages(case: Case, call: CapturedCall) -> list[torch.Tenso
 
 def as_bshd(t: torch.Tensor, fmt: str, packed: layouts.Packing | None = None, side: str = "q") -> torch.Tensor:
     """A captured tensor in its call's format (`native_format`) as bshd (thd: scattered by `packed`)."""
-    return t.transpose(1, 2) if fmt == "bhsd" else layouts.to_bshd(t, fmt, packed, side)
+    return t.transpose(1, 2) if fmt == "bhsd" else views.to_bshd(t, fmt, packed, side)
 
 
 def with_heads(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -151,7 +152,7 @@ def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     storages, views = _storage_views(call, dtype, lambda elements: torch.zeros(elements, dtype=dtype, device=q.device))
     for view, values, side in zip(views, (q, k, v), ("q", "kv", "kv")):
         with torch.no_grad():
-            view.copy_(values.permute(0, 2, 1, 3) if native == "bhsd" else layouts.to_format(values, native, packed,
+            view.copy_(values.permute(0, 2, 1, 3) if native == "bhsd" else views.to_format(values, native, packed,
                                                                                               side))
     leaves = {sid: buffer.requires_grad_() for sid, buffer in storages.items()}
     views = [leaves[call.meta["tensors"][name]["storage"]["id"]].as_strided(
@@ -175,7 +176,7 @@ def captured_dout(case: Case, dout: torch.Tensor) -> torch.Tensor | None:
     dtype = TORCH_DTYPES[case.dtype]
     if meta is None or native == "thd" or meta["dtype"] != str(dtype).removeprefix("torch."):
         return None
-    values = dout.permute(0, 2, 1, 3) if native == "bhsd" else layouts.to_format(dout, native)
+    values = dout.permute(0, 2, 1, 3) if native == "bhsd" else views.to_format(dout, native)
     element = torch.empty((), dtype=dtype).element_size()
     storage = torch.zeros(meta["storage"]["nbytes"] // element, dtype=dtype, device=dout.device)
     try:

@@ -77,19 +77,23 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from attn_doctor.numerics.metrics import TensorMetrics, safe_ratio
+from attn_doctor.numerics.metrics import TensorMetrics
+
+# The rule's constants and checks are `standalone.judge_figures`'s, which the standalone repro scripts hold.
+from attn_doctor.numerics.standalone import (
+    BIAS_EPS,
+    CANCELLED,
+    EMPTY_ROW_EPS,
+    EPS,
+    MULTIPLE,
+    NOISE_EPS,
+    judge_figures,
+)
 
 PASS, FAIL, SKIP, ERROR = "PASS", "FAIL", "SKIP", "ERROR"
 CORE_TENSORS = ("out", "dq", "dk", "dv")  # what every call is judged on
 TENSORS = CORE_TENSORS + ("dsink",)  # with the learnable softmax sink's gradient where there is one
-MULTIPLE = {"out": 3.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dsink": 3.0}
-NOISE_EPS = {"bf16": 0.25, "fp16": 0.25, "fp32": 1.0}
-EPS = {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23}
-BIAS_Z = 8.0
-BIAS_EPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 8.0}
-CANCELLED = 1 / 16  # ||exact|| below this share of the terms' scale: the tensor cancels
 BORDERLINE = 1.5
-EMPTY_ROW_EPS = 1.0  # rows that see no key: values up to this many eps of a compared row's size pass
 NOISE_YARDSTICK, BASELINE_YARDSTICK = "rounding noise", "baseline"
 
 
@@ -136,76 +140,50 @@ class TensorVerdict:
         return asdict(self)
 
 
-def _scaled(m: TensorMetrics) -> tuple[float, float]:
-    """(whole, worst head) scaled errors; metrics stored before they existed fall back to the relative ones."""
+def _figures(m: TensorMetrics) -> dict[str, float | int]:
+    """m's figures as `judge_figures` reads them; metrics stored before the scaled errors existed are judged on
+    their relative ones."""
+    figures = m.figures()
     if math.isnan(m.scaled_err):
-        return m.rel_err, m.worst_head_rel_err
-    return m.scaled_err, m.worst_head_scaled_err
-
-
-def _bias_check(name: str, candidate: TensorMetrics, baseline: TensorMetrics, dtype: str
-                ) -> tuple[float, str] | None:
-    """(margin, why) of the most significant systematic error that FAILs, or None. margin: |bias| over the
-    smallest |bias| that would FAIL (for the borderline test)."""
-    if candidate.cancellation < CANCELLED:
-        return None
-    floor = BIAS_EPS[dtype] * EPS[dtype]
-    for where, bias, z, base in (
-        ("", candidate.bias, candidate.bias_z, abs(baseline.bias)),
-        (" in one (batch, head) slice", candidate.head_bias, candidate.head_bias_z,
-         max(abs(baseline.bias), abs(baseline.head_bias))),
-    ):
-        limit = max(floor, MULTIPLE[name] * base)
-        if abs(z) >= BIAS_Z and abs(bias) >= limit:
-            return abs(bias) / limit, (
-                f"systematic error{where}: {1 + bias:.4f}x the exact values (z = {z:.0f}), beyond the "
-                f"{limit:.2g} a correct {dtype} kernel's rounding can bias it (the larger of {BIAS_EPS[dtype]:g} "
-                f"eps and {MULTIPLE[name]:g}x the baseline's own bias)")
-    return None
+        figures.update(scaled=m.rel_err, worst=m.worst_head_rel_err)
+    return figures
 
 
 def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, dtype: str) -> TensorVerdict:
     kind = name.split("_")[0]  # "dq_first" (a depth probe's dQ at layer 1) is judged as dq
     multiple = MULTIPLE[kind]
-    noise = NOISE_EPS[dtype] * EPS[dtype] * candidate.noise_ratio
-    head_noise = NOISE_EPS[dtype] * EPS[dtype] * candidate.worst_head_noise_ratio
-    err, head_err = _scaled(candidate)
-    base_err, base_head_err = _scaled(baseline)
-    yardstick, head_yardstick = max(base_err, noise), max(base_head_err, head_noise)
-    yardstick_kind = BASELINE_YARDSTICK if base_err >= noise else NOISE_YARDSTICK
-    ratio, head_ratio = safe_ratio(err, yardstick), safe_ratio(head_err, head_yardstick)
+    figures, base = _figures(candidate), _figures(baseline)
+    found = judge_figures(figures, base, dtype, multiple)
+    err, head_err, noise, yardstick = figures["scaled"], figures["worst"], found["noise"], found["yardstick"]
+    yardstick_kind = BASELINE_YARDSTICK if base["scaled"] >= noise else NOISE_YARDSTICK
     cancellation = candidate.cancellation if not math.isnan(candidate.scaled_err) else 1.0
     # Display units: relative to ||ref||, or to the terms' scale where the tensor cancels.
     to_shown = 1.0 if cancellation < CANCELLED or math.isnan(candidate.scaled_err) else 1 / cancellation
-    nonfinite = candidate.nan + candidate.inf
-    bias = _bias_check(kind, candidate, baseline, dtype)
-    margin = max(ratio, head_ratio) / multiple
-    bias_failed = False
-    empty_limit = EMPTY_ROW_EPS * EPS[dtype]
-    if nonfinite and not baseline.ref_nonfinite:
-        verdict, why, margin = FAIL, f"{candidate.nan} NaN and {candidate.inf} Inf where float64 has none", math.inf
-    elif candidate.empty_rows and (candidate.empty_rows_nonfinite or candidate.empty_rows_max > empty_limit):
-        verdict, margin = FAIL, math.inf
-        found = (f"{candidate.empty_rows_nonfinite} NaN/Inf" if candidate.empty_rows_nonfinite
-                 else f"values up to {candidate.empty_rows_max:.3g} of a row's size")
-        why = (f"{found} on the {candidate.empty_rows} rows that see no key, where TE's convention (and "
+    failed = found["failed"]
+    if failed == "nonfinite":
+        why = f"{candidate.nan} NaN and {candidate.inf} Inf where float64 has none"
+    elif failed == "empty rows":
+        values = (f"{candidate.empty_rows_nonfinite} NaN/Inf" if candidate.empty_rows_nonfinite
+                  else f"values up to {candidate.empty_rows_max:.3g} of a row's size")
+        why = (f"{values} on the {candidate.empty_rows} rows that see no key, where TE's convention (and "
                f"float64) is 0 (limit {EMPTY_ROW_EPS:g} eps)")
-    elif ratio > multiple:
-        verdict = FAIL
+    elif failed == "error":
         why = _error_why("error", err, yardstick, multiple, yardstick_kind, to_shown, cancellation < CANCELLED,
                          noise, dtype)
-    elif head_ratio > multiple:
-        verdict = FAIL
-        head_kind = BASELINE_YARDSTICK if base_head_err >= head_noise else NOISE_YARDSTICK
+    elif failed == "worst head":
+        head_noise = found["head_noise"]
+        head_kind = BASELINE_YARDSTICK if base["worst"] >= head_noise else NOISE_YARDSTICK
         # Per-head figures are on the scaled footing (each head cancels, or not, on its own).
-        why = _error_why("worst head's error", head_err, head_yardstick, multiple, head_kind,
+        why = _error_why("worst head's error", head_err, found["head_yardstick"], multiple, head_kind,
                          1.0 if math.isnan(candidate.scaled_err) else None, cancellation < CANCELLED, head_noise,
                          dtype)
-    elif bias is not None:  # the error alone passes: the failure is the systematic error
-        verdict, (margin, why) = FAIL, bias
-        bias_failed = True
+    elif failed:  # the error alone passes: the failure is the systematic error
+        where = " in one (batch, head) slice" if failed == "head bias" else ""
+        why = (f"systematic error{where}: {1 + found['bias']:.4f}x the exact values (z = {found['bias_z']:.0f}), "
+               f"beyond the {found['bias_limit']:.2g} a correct {dtype} kernel's rounding can bias it (the larger "
+               f"of {BIAS_EPS[dtype]:g} eps and {multiple:g}x the baseline's own bias)")
     else:
-        verdict, why = PASS, ""
+        why = ""
     return TensorVerdict(
         rel_err=candidate.rel_err,
         max_abs_err=candidate.max_abs_err,
@@ -215,20 +193,20 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
         inf=candidate.inf,
         baseline_rel_err=baseline.rel_err,
         baseline_worst_head_rel_err=baseline.worst_head_rel_err,
-        ratio=ratio,
+        ratio=found["ratio"],
         threshold=multiple * yardstick * to_shown,
         err_in_eps=err / EPS[dtype],
-        verdict=verdict,
+        verdict=FAIL if failed else PASS,
         why=why,
         scaled_err=err,
-        baseline_scaled_err=base_err,
+        baseline_scaled_err=base["scaled"],
         yardstick=yardstick,
         yardstick_kind=yardstick_kind,
         cancellation=cancellation,
         bias=candidate.bias,
         bias_z=candidate.bias_z,
-        bias_failed=bias_failed,
-        borderline=1 / BORDERLINE <= margin <= BORDERLINE,
+        bias_failed=failed in ("bias", "head bias"),
+        borderline=1 / BORDERLINE <= found["margin"] <= BORDERLINE,
         empty_rows=candidate.empty_rows,
         empty_rows_max=candidate.empty_rows_max,
         padding_nonzero=candidate.padding_nonzero,
