@@ -42,39 +42,29 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _type_only(tree: ast.Module) -> set[ast.AST]:
-    """The import statements under `if TYPE_CHECKING:` (names for annotations, never imported at run time)."""
-    guarded = [node for node in ast.walk(tree) if isinstance(node, ast.If)
-               and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
-    return {inner for node in guarded for inner in ast.walk(node) if isinstance(inner, (ast.Import, ast.ImportFrom))}
-
-
-def _imports(path: Path, modules: set[str], with_type_only: bool) -> set[str]:
-    """The package's modules `path` imports, wherever the import stands (module level or in a function), and
-    with `with_type_only` those imported for annotations alone too."""
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules `path` imports, wherever the import stands (module level, in a function, or for
+    annotations alone under TYPE_CHECKING: a layer names no type of a higher one either)."""
     found = set()
-    tree = ast.parse(path.read_text(), str(path))
-    skipped = set() if with_type_only else _type_only(tree)
-    for node in ast.walk(tree):
-        if node in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            # `from attn_doctor.backends import te_call` imports that module; `... import select`, the package.
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
         else:
             continue
         found |= {name for name in names if name in modules}
     return found
 
 
-def _graph(with_type_only: bool) -> dict[str, set[str]]:
+def _graph() -> dict[str, set[str]]:
     paths = {_module(path): path for path in PACKAGE.rglob("*.py")}
-    return {module: _imports(path, set(paths), with_type_only) - {module} for module, path in paths.items()}
+    return {module: _imports(path, set(paths)) - {module} for module, path in paths.items()}
 
 
-GRAPH = _graph(with_type_only=True)  # a layer names no type of a higher one either
-RUNTIME_GRAPH = _graph(with_type_only=False)
+GRAPH = _graph()
 
 
 def test_every_folder_of_the_package_has_a_layer():
@@ -91,22 +81,19 @@ def test_imports_point_down(module):
 
 
 def test_no_modules_import_each_other_in_a_circle():
-    # A package importing its own submodules (`__init__` handing names on) is not a circle of the code, nor is
-    # a type named for an annotation alone.
-    graph = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in RUNTIME_GRAPH.items()}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     circles = []
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = 1
-        for target in sorted(graph[module]):
+        for target in sorted(GRAPH[module]):
             if state.get(target) == 1:
                 circles.append(path[path.index(target):] + [target])
             elif target not in state:
                 visit(target, path + [target])
         state[module] = 2
 
-    for module in sorted(graph):
+    for module in sorted(GRAPH):
         if module not in state:
             visit(module, [module])
     assert not circles, circles

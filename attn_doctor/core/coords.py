@@ -138,7 +138,7 @@ class Coords:
 
     def unsupported(self) -> str | None:
         """Why these coordinates cannot hold their case (a SKIP reason), whatever the backend."""
-        return self.kind_rules.unsupported(self)
+        return self.kind_rules.unsupported(self.case, self.layout, self.tp, self.cp, self.cp_comm_type)
 
     # -- how the coordinates are written ----------------------------------------------------------------
 

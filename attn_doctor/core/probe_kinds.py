@@ -15,13 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from attn_doctor.core.case import Case
 from attn_doctor.core.layouts import CAPTURED, LAYOUTS, layout_unsupported
 
-if TYPE_CHECKING:
-    from attn_doctor.core.coords import Coords
 
 DEPTH_LAYOUT = "sbh3d_packed"  # the stack feeds attention Megatron's split of the mixed qkv tensor
 
@@ -71,23 +68,24 @@ class KindRules:
         """Why --inputs is refused for this kind; the caller adds how to fix it."""
         return f"--inputs does not apply to {self.name}: {self.inputs_reason}"
 
-    def unsupported(self, coords: Coords) -> str | None:
-        """Why `coords`, of this kind, cannot hold their case (a SKIP reason, whatever the backend), or None."""
-        case, tp = coords.case, coords.tp
-        if self.takes_layout and (why := layout_unsupported(coords.layout, case)):
+    def unsupported(self, case: Case, layout: str, tp: int = 1, cp: int = 1, cp_comm_type: str | None = None
+                    ) -> str | None:
+        """Why a probe of this kind at these coordinates cannot hold its case (a SKIP reason, whatever the
+        backend), or None."""
+        if self.takes_layout and (why := layout_unsupported(layout, case)):
             return why
         if not self.te_api and case.api_features():
             return dense_api_skip(case)
         if self.splits_heads and (case.heads % tp or case.kv_heads % tp):
             return f"TP={tp} needs heads ({case.heads}) and kv heads ({case.kv_heads}) divisible by {tp}"
-        if self.off_layout and coords.layout not in self.layouts:
+        if self.off_layout and layout not in self.layouts:
             return self.off_layout
         if self.self_attention and case.seq_kv != case.seq:
             return self.self_attention
         if not self.inputs and case.inputs != "normal":
             return self.inputs_skip.format(inputs=case.inputs)
-        if self.context_parallel and coords.cp > 1:
-            return context_parallel_unsupported(case, tp, coords.cp, coords.cp_comm_type)
+        if self.context_parallel and cp > 1:
+            return context_parallel_unsupported(case, tp, cp, cp_comm_type)
         return None
 
 

@@ -4,6 +4,7 @@ the condition table), with a ValueError naming the rule and what is wrong."""
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,6 @@ from attn_doctor.known_defects.conditions import (
     Kind,
 )
 from attn_doctor.known_defects.facts import parse_version
-from attn_doctor.known_defects.wording import bug_label
 
 SYMPTOMS = ("wrong gradient", "wrong output", "NaN", "illegal memory access", "backend disabled",
             "nondeterministic", "mask leak")
@@ -66,7 +66,16 @@ class KnownBug:
     @property
     def label(self) -> str:
         """How lines name it: "TE#1195", "pytorch/pytorch#196678", "attn-doctor's finding", ..."""
-        return bug_label(self)
+        if self.found_by == "attn-doctor":
+            return "attn-doctor's finding"
+        m = re.match(r"https://github\.com/([^/]+)/([^/]+)/(?:issues|pull)/(\d+)", self.reference)
+        if m:
+            owner, repo, number = m.groups()
+            return f"TE#{number}" if (owner, repo) == ("NVIDIA", "TransformerEngine") else f"{owner}/{repo}#{number}"
+        m = re.match(r"https://github\.com/NVIDIA/TransformerEngine/blob/[^/]+/.*?([^/]+)$", self.reference)
+        if m:
+            return f"TE's {m.group(1)}"  # a rule TE encodes in its source, e.g. "TE's fused_attn.cpp#L451-L463"
+        return self.id
 
     @functools.cached_property
     def conditions(self) -> tuple[tuple[Condition, Any], ...]:

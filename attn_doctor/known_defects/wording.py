@@ -16,20 +16,6 @@ if TYPE_CHECKING:
     from attn_doctor.machine.fingerprint import EnvReport
 
 
-def bug_label(bug: KnownBug) -> str:
-    """How lines name a rule: "TE#1195", "pytorch/pytorch#196678", "attn-doctor's finding", ..."""
-    if bug.found_by == "attn-doctor":
-        return "attn-doctor's finding"
-    m = re.match(r"https://github\.com/([^/]+)/([^/]+)/(?:issues|pull)/(\d+)", bug.reference)
-    if m:
-        owner, repo, number = m.groups()
-        return f"TE#{number}" if (owner, repo) == ("NVIDIA", "TransformerEngine") else f"{owner}/{repo}#{number}"
-    m = re.match(r"https://github\.com/NVIDIA/TransformerEngine/blob/[^/]+/.*?([^/]+)$", bug.reference)
-    if m:
-        return f"TE's {m.group(1)}"  # a rule TE encodes in its source, e.g. "TE's fused_attn.cpp#L451-L463"
-    return bug.id
-
-
 def _fix_and_workaround(bug: KnownBug) -> str:
     fixed = f"fixed in {bug.fixed_in}" if bug.fixed_in else "no fixed version known"
     return f"{fixed}; workaround: {bug.workaround}" if bug.workaround else fixed
@@ -37,7 +23,7 @@ def _fix_and_workaround(bug: KnownBug) -> str:
 
 def _headline(bug: KnownBug) -> str:
     symptom = f" ({bug.symptom})" if bug.symptom else ""
-    return f"{bug_label(bug)}: {bug.title}{symptom}"
+    return f"{bug.label}: {bug.title}{symptom}"
 
 
 def describe(match: Match) -> str:
