@@ -5,7 +5,7 @@ registry (`attn_doctor.backends.REGISTRY`). Nothing outside this package knows a
 Two halves, like pytest's hookspecs, each hook small and optional unless marked:
 
 In the parent process (class methods; no worker is started, nothing heavy is imported):
-  `paths()`            the rows the family offers without user input (TE: one per kernel path)
+  `paths()`            the rows the family offers without user input: its `fixed_paths` (TE works them out)
   `static_skip()`      why a spec cannot run a case on a device, known before starting anything
   `memory()`           the working memory one call needs beyond its inputs, outputs and gradients
   `selector()`         the command-line option that picks a spec (`--backend NAME`, `--kernel SPEC`)
@@ -87,12 +87,14 @@ class Backend(ABC):
     # How `attend_at` computes a CP rank's queries (shown with distributed results).
     cp_method: ClassVar[str] = "queries at their global positions in a zero-padded causal sequence"
     own_parallelism: ClassVar[bool] = False  # the library splits heads and sequence itself (`run_parallel`)
+    # The paths a family always offers, (name, options) each; `paths` may work out others at run time.
+    fixed_paths: ClassVar[tuple[tuple[str, dict[str, Any]], ...]] = ()
 
     # -- in the parent ----------------------------------------------------------------------------------
 
     @classmethod
     def paths(cls) -> list[BackendSpec]:
-        return []
+        return [BackendSpec(name, cls.family, dict(options)) for name, options in cls.fixed_paths]
 
     @classmethod
     def format_for(cls, case: Case) -> str:

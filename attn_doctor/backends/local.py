@@ -47,10 +47,7 @@ class LocalAttention(Backend):
     family = "local"
     qkv_format = "sbhd"
     cp_method = "explicit global causal mask (Megatron masked_fill)"
-
-    @classmethod
-    def paths(cls) -> list[BackendSpec]:
-        return [BackendSpec("local", cls.family)]
+    fixed_paths = (("local", {}),)
 
     @classmethod
     def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:

@@ -78,11 +78,7 @@ class SdpaKernel(Backend):
     family = "sdpa"
     qkv_format = "bshd"
     cp_method = "explicit global causal mask (SDPA attn_mask)"
-
-    @classmethod
-    def paths(cls) -> list[BackendSpec]:
-        return [BackendSpec(f"sdpa.{kernel}", cls.family, {"kernel": kernel})
-                for kernel in ("flash", "efficient", "cudnn", "math")]
+    fixed_paths = tuple((f"sdpa.{kernel}", {"kernel": kernel}) for kernel in ("flash", "efficient", "cudnn", "math"))
 
     @classmethod
     def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
