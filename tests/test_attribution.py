@@ -40,12 +40,12 @@ def test_what_the_kernel_raises_is_the_kernels_error():
 
 
 def test_what_fails_in_attn_doctor_is_not_the_kernels(monkeypatch):
-    from attn_doctor.core import layouts
+    from attn_doctor.numerics import views
 
     def broken_build(*args, **kwargs):
         raise IndexError("list index out of range")
 
-    monkeypatch.setattr(layouts, "build", broken_build)
+    monkeypatch.setattr(views, "build", broken_build)
     with pytest.raises(IndexError) as caught:
         run_probe(Raising(SPEC), Coords.call(CASE, SPEC), Caches(torch.device("cpu")))
     assert not isinstance(caught.value, KernelError)

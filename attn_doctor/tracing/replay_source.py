@@ -108,22 +108,22 @@ def _storage_views(call: CapturedCall, dtype: torch.dtype,
     storage id, of its captured size (`new_storage(elements)`, made in q, k, v's order); and those storages."""
     element = torch.empty((), dtype=dtype).element_size()
     storages: dict[int, torch.Tensor] = {}
-    views = []
+    placed = []
     for name in "qkv":
         meta = call.meta["tensors"][name]
         sid = meta["storage"]["id"]
         if sid not in storages:
             storages[sid] = new_storage(meta["storage"]["nbytes"] // element)
-        views.append(storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"]))
-    return storages, views
+        placed.append(storages[sid].as_strided(meta["shape"], meta["stride"], meta["storage_offset"]))
+    return storages, placed
 
 
 def _seeded_through_storages(case: Case, call: CapturedCall) -> list[torch.Tensor]:
     """q, k, v read through the call's views from standard-normal storages of the captured sizes (seeded)."""
     generator = torch.Generator().manual_seed(case.seed)
     dtype = TORCH_DTYPES[case.dtype]
-    _, views = _storage_views(call, dtype, lambda elements: torch.randn(elements, generator=generator).to(dtype))
-    return [view.clone() for view in views]
+    _, placed = _storage_views(call, dtype, lambda elements: torch.randn(elements, generator=generator).to(dtype))
+    return [view.clone() for view in placed]
 
 
 def as_bshd(t: torch.Tensor, fmt: str, packed: layouts.Packing | None = None, side: str = "q") -> torch.Tensor:
@@ -149,17 +149,17 @@ def captured_views(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                           "same values)")
     packed = captured_packing(case) if native == "thd" else None
     dtype = TORCH_DTYPES[case.dtype]
-    storages, views = _storage_views(call, dtype, lambda elements: torch.zeros(elements, dtype=dtype, device=q.device))
-    for view, values, side in zip(views, (q, k, v), ("q", "kv", "kv")):
+    storages, placed = _storage_views(call, dtype, lambda elements: torch.zeros(elements, dtype=dtype, device=q.device))
+    for view, values, side in zip(placed, (q, k, v), ("q", "kv", "kv")):
         with torch.no_grad():
             view.copy_(values.permute(0, 2, 1, 3) if native == "bhsd" else views.to_format(values, native, packed,
                                                                                               side))
     leaves = {sid: buffer.requires_grad_() for sid, buffer in storages.items()}
-    views = [leaves[call.meta["tensors"][name]["storage"]["id"]].as_strided(
-        view.shape, view.stride(), view.storage_offset()) for name, view in zip("qkv", views)]
+    placed = [leaves[call.meta["tensors"][name]["storage"]["id"]].as_strided(
+        view.shape, view.stride(), view.storage_offset()) for name, view in zip("qkv", placed)]
     if native == "bhsd":
-        views = [view.transpose(1, 2) for view in views]
-    return QKV(*views, leaves=tuple(leaves.values()))
+        placed = [view.transpose(1, 2) for view in placed]
+    return QKV(*placed, leaves=tuple(leaves.values()))
 
 
 def captured_dout(case: Case, dout: torch.Tensor) -> torch.Tensor | None:
