@@ -93,6 +93,7 @@ def test_bisect_never_counts_attn_doctors_own_error_as_a_failure():
         Bisector(lambda coords: Outcome("ERROR", "IndexError: boom", internal=True)).run(start)
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_reports_what_a_finished_one_does(tmp_path, run_cli, monkeypatch):
     """results.jsonl and the sweep's header, without results.json (the sweep was killed), render the same
     report as the finished sweep, summary and depth sentence included."""

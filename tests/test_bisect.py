@@ -344,6 +344,7 @@ def bisected(tmp_path_factory, run_cli):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("func", list(EXPECTED))
 def test_bisect_reaches_exactly_the_kernels_conditions(bisected, func):
     result, doc, out = bisected(func)
@@ -374,6 +375,7 @@ def test_bisect_reaches_exactly_the_kernels_conditions(bisected, func):
     assert "minimal failing case:" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("func, knob", [("seq_ge_300_noncontig", "seq"), ("head_dim_gt_40", "head_dim")])
 def test_bisect_integer_boundary_is_backed_by_probes(bisected, func, knob):
     """Both sides of the reported boundary were probed with the kernel: the failing value FAILed, the one
@@ -386,6 +388,7 @@ def test_bisect_integer_boundary_is_backed_by_probes(bisected, func, knob):
     assert not by_value[condition["passing_value"]]["fails"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("func, where", [("seq_ge_300_noncontig", "backward"), ("gqa_only", "forward")])
 def test_bisect_says_whether_forward_or_backward_is_wrong(bisected, func, where):
     _, doc, _ = bisected(func)
@@ -445,6 +448,7 @@ def test_repro_exits_1_for_the_faulty_kernel_without_attn_doctor(bisected, no_at
     assert not any(_printed_rel_err(proc.stdout, t)[1] for t in ("out", "dk", "dv"))
 
 
+@pytest.mark.slow
 def test_repro_of_the_long_sequence_fault_exits_1(bisected, no_attn_doctor, tmp_path):
     _, doc, _ = bisected("flash_dq_seq_ge_256")
     assert "sdpa.math passes" in doc["diagnosis"]["minimal_case_checked"]
@@ -502,6 +506,7 @@ print(json.dumps({name: {"rel": m["rel"], "ratio": repro.judge(m, b)[2]} for nam
 '''
 
 
+@pytest.mark.slow
 def test_repro_errors_match_the_tools_minimal_case(bisected, no_attn_doctor, run_cli, tmp_path, monkeypatch):
     """The repro's dq error is the one attn-doctor measures on the minimal case (`run --json` on it)."""
     _, doc, _ = bisected("seq_ge_300_noncontig")
@@ -580,6 +585,7 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bisect_bad_input_exits_2_with_one_line(name, run_cli, results_files, tmp_path, monkeypatch):
     args, message = BAD_INPUTS[name]
@@ -595,6 +601,7 @@ def test_bisect_bad_input_exits_2_with_one_line(name, run_cli, results_files, tm
 
 # --- --from RESULTS ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row, layout", [(None, "contiguous"), (1, "transposed")])
 def test_bisect_from_results_starts_at_the_failing_row(row, layout, run_cli, results_files, tmp_path, monkeypatch):
     faulty, _ = results_files

@@ -404,6 +404,8 @@ def test_cli_a_failing_command_exits_1_and_keeps_what_it_recorded(run_cli, tmp_p
     assert result.exit_code == 1 and "exited with 5" in result.stderr and "2 attention calls" in result.stderr
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun not installed")
 def test_cli_captures_every_rank_of_a_torchrun_job_with_its_parallel_layout(run_cli, tmp_path):

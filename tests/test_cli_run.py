@@ -48,6 +48,7 @@ def _table_verdicts(stdout: str, backends) -> dict[tuple[str, str], str]:
     return found
 
 
+@pytest.mark.slow
 def test_run_exit_0_prints_env_table_and_summary(passing_run):
     result, json_path, doc = passing_run
     assert result.exit_code == 0, result.output
@@ -121,6 +122,7 @@ def test_te_rows_skip_on_cpu_with_a_reason(passing_run):
 
 # --- faulty, crashing and hanging kernels -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_faulty_kernel_exit_1_and_default_json_location(tmp_path, monkeypatch, run_cli, small_flags, faulty_path):
     monkeypatch.chdir(tmp_path)
     result = run_cli(["run", *small_flags, "--kernel", f"{faulty_path}:dq_two_percent",
@@ -143,6 +145,7 @@ def test_faulty_kernel_exit_1_and_default_json_location(tmp_path, monkeypatch, r
     assert [(f["backend"], f["tensors"]) for f in doc["faulty"]] == [("dq_two_percent", ["dq"])]
 
 
+@pytest.mark.slow
 def test_kernel_given_as_module_is_named_with_its_target(tmp_path, monkeypatch, run_cli, small_flags,
                                                          faulty_path):
     """TARGET as an importable module; the summary names what ran ([module:func]) next to the row name."""
@@ -175,6 +178,7 @@ def broken_run(tmp_path_factory, run_cli, small_flags, broken_path, faulty_path)
     return result, {r["backend"]: r for r in json.loads(json_path.read_text())["results"]}
 
 
+@pytest.mark.slow
 def test_crashing_and_hanging_kernels_become_error_rows(broken_run):
     result, rows = broken_run
     assert result.exit_code == 1, result.output
@@ -201,6 +205,7 @@ def test_crash_reason_says_how_the_worker_died(broken_run):
 
 # --- recipes ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_recipe_is_loaded_and_flags_override_it(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "tiny.toml"

@@ -39,6 +39,8 @@ def captures(tmp_path_factory, cli_runner) -> dict[str, Path]:
     return {name: root / name for name in ("tp1", "tp2", "tp2-faulty")}
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_tp1_and_tp2_of_the_same_model_are_the_same_within_rounding(run_cli, captures, tmp_path):
     result = run_cli(["compare", captures["tp1"], captures["tp2"], "--json", tmp_path / "c.json"])
     assert result.exit_code == 0, result.output
@@ -51,6 +53,8 @@ def test_tp1_and_tp2_of_the_same_model_are_the_same_within_rounding(run_cli, cap
             assert t["d"] <= 1.01 * (t["e_in"] + t["e_a"] + t["e_b"])  # the decomposition bounds the difference
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_a_faulty_call_on_one_rank_is_named_with_its_layer_and_rank(run_cli, captures):
     result = run_cli(["compare", captures["tp1"], captures["tp2-faulty"]])
     assert result.exit_code == 1, result.output
@@ -59,6 +63,8 @@ def test_a_faulty_call_on_one_rank_is_named_with_its_layer_and_rank(run_cli, cap
     assert "is the one far from float64" in text and text.endswith("on rank 1")
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_the_faulty_run_is_named_whichever_side_it_is_on(captures):
     forward = compare_captures(captures["tp2-faulty"], captures["tp1"])
     layer, measured = forward.first_fault()
@@ -67,6 +73,8 @@ def test_the_faulty_run_is_named_whichever_side_it_is_on(captures):
     assert compare_captures(captures["tp2"], captures["tp1"]).same
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_captures_without_common_values_are_bad_input(run_cli, captures, tmp_path):
     with attn_doctor.capture(tmp_path / "meta-only"):
         tiny_gpt.train(steps=1, layers=1)

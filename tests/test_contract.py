@@ -105,6 +105,7 @@ def test_memory_refusal_gives_the_estimate_and_what_fits(tmp_path, monkeypatch, 
     assert estimate(coords, "cpu").total <= free  # what it says fits, fits the same estimate
 
 
+@pytest.mark.slow
 def test_run_tp_without_nproc_runs_the_tp_shard_probe(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
     result = run_cli(["run", *TINY, "--tp", "2", "--backend", "sdpa.math", "--json", "r.json"])
@@ -198,6 +199,7 @@ def test_sweep_and_bisect_output_fit_80_columns():
     assert "fails at seq 101, passes at 100" in text
 
 
+@pytest.mark.slow
 def test_cli_at_80_columns_in_a_pipe_keeps_every_verdict(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
@@ -237,6 +239,7 @@ def test_terminal_progress_shows_counts_eta_and_layers():
     progress.end()
 
 
+@pytest.mark.slow
 def test_depth_probes_report_every_layer():
     from attn_doctor.backends import BackendSpec
     from attn_doctor.core.case import make_case
@@ -324,6 +327,7 @@ def _gone(pids: list[int]) -> bool:
                    for pid in pids)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_run_answers_at_once_and_keeps_the_finished_probes(tmp_path):
     # Both workers up, and seconds for the baseline's tiny probe to finish while the kernel hangs.
     result, elapsed, children = _interrupt(
@@ -374,6 +378,7 @@ def test_help_version_and_argument_errors_do_not_load_torch(args):
 
 # --- an installed wheel ships what the README promises ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_recipes_and_the_known_defects(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
                           capture_output=True, text=True, timeout=600)
@@ -405,6 +410,7 @@ def test_what_ran_on_the_h200_is_not_refused_there():
         check_fits(plan_depth(default, specs, [layers], [1, 2]), "cuda", available=h200)
 
 
+@pytest.mark.slow
 def test_wide_puts_what_ran_in_a_column(tmp_path, monkeypatch):
     from click.testing import CliRunner
 

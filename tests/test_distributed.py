@@ -121,6 +121,8 @@ def test_rank_grid_is_tp_fastest_and_cp_split_is_load_balanced():
 # --- TP = 2 ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_tp2_sdpa_math_and_local_pass_and_equal_the_single_process_run(tp2):
     math_causal, local_causal, math_gqa, _ = tp2
     for outcome in (math_causal, local_causal, math_gqa):
@@ -130,6 +132,8 @@ def test_tp2_sdpa_math_and_local_pass_and_equal_the_single_process_run(tp2):
     assert [(s.tp_rank, s.cp_rank) for s in math_gqa.ranks] == [(0, 0), (1, 0)]
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_fault_on_rank1_only_is_detected_and_attributed_to_rank1(tp2):
     outcome = tp2[3]
     assert outcome.status == "ok"
@@ -144,6 +148,8 @@ def test_fault_on_rank1_only_is_detected_and_attributed_to_rank1(tp2):
     assert row.extra["failing_ranks"] == [1]
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_distributed_row_is_judged_against_the_plain_single_call_baseline(tp2):
     """verdict.judge, as the run workflow calls it, pairs the distributed row with the ordinary baseline row."""
     import torch
@@ -163,6 +169,8 @@ def test_distributed_row_is_judged_against_the_plain_single_call_baseline(tp2):
 # --- CP = 2 ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_cp2_all_gather_passes_causal_and_no_mask(cp2_all_gather):
     for outcome in cp2_all_gather[:5]:
         # out and dq come from one call per query on the full k, v: the same bits as one process
@@ -175,6 +183,8 @@ def test_cp2_all_gather_passes_causal_and_no_mask(cp2_all_gather):
     assert "zero-padded" in cp2_all_gather[4].extra["cp_method"]
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_cp2_fault_on_rank1_is_attributed_to_rank1(cp2_all_gather):
     outcome = cp2_all_gather[5]
     row = judged(outcome)
@@ -183,6 +193,8 @@ def test_cp2_fault_on_rank1_is_attributed_to_rank1(cp2_all_gather):
     assert outcome.ranks[1].failing == ["dq"]
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_cp2_p2p_ring_and_a2a_pass(comm):
     outcomes = D.launch_many([(SDPA_MATH, CAUSAL), (LOCAL, NO_MASK)], **grid(1, 2, comm))
@@ -195,6 +207,8 @@ def test_cp2_p2p_ring_and_a2a_pass(comm):
 # --- ranks that fail, die or hang --------------------------------------------------------------------
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 def test_rank_that_raises_or_dies_is_named_and_later_probes_still_run():
     started = time.perf_counter()
     raised, died, after = D.launch_many([(kernel("raises_on_rank1"), CAUSAL), (kernel("exits_on_rank1"), CAUSAL),
@@ -209,6 +223,7 @@ def test_rank_that_raises_or_dies_is_named_and_later_probes_still_run():
     assert time.perf_counter() - started < 40
 
 
+@pytest.mark.slow
 def test_rank_that_hangs_is_killed_at_the_timeout_and_named():
     started = time.perf_counter()
     outcome = D.launch(kernel("hangs_on_rank1"), CAUSAL, **grid(2, 1, timeout_s=3.0))
@@ -221,6 +236,7 @@ def test_rank_that_hangs_is_killed_at_the_timeout_and_named():
 
 # --- the CLI: `attn-doctor run --nproc` ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_run_nproc_names_the_faulty_rank_and_refuses_a_bad_grid(tmp_path, monkeypatch, run_cli):
     import json
 

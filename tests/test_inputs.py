@@ -271,6 +271,7 @@ def test_bad_inputs_exit_2_with_one_line(args, message, run_cli, tmp_path, monke
     assert not (tmp_path / "reports").exists()
 
 
+@pytest.mark.slow
 def test_run_on_outliers_shows_and_records_the_distribution(run_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = run_cli(["run", *TINY, "--inputs", "outliers", "--backend", "sdpa.math", "--layout", "contiguous",
@@ -336,6 +337,7 @@ def test_bisect_names_the_distribution_when_only_it_fails():
     assert condition.sentence() == "fails at inputs outliers, passes at normal, uniform, structured"
 
 
+@pytest.mark.slow
 def test_bisect_cli_reduces_an_input_independent_fault_to_normal(run_cli, tmp_path, monkeypatch):
     """dq 2% too large whatever the inputs, started on uniform (where dQ does not cancel, so the fault reads
     the same on normal): bisect tries normal, it still fails, and the minimal case is on normal inputs."""

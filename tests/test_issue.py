@@ -348,6 +348,7 @@ def cpu_bisect(tmp_path_factory, run_cli):
     return results, document, bisect.output
 
 
+@pytest.mark.slow
 def test_bisect_writes_its_document_beside_its_repro(cpu_bisect):
     results, document, output = cpu_bisect
     doc = json.loads(document.read_text())

@@ -288,6 +288,7 @@ def real_rows():
     return _run(REAL_CASES, REAL_SPECS, ["contiguous", "sbh3d_packed", "head_slice", "transposed"])
 
 
+@pytest.mark.slow
 def test_real_cpu_kernels_pass(real_rows):
     ran = [row for row in real_rows if row.verdict != SKIP]
     bad = [(row.backend, row.layout, row.case.short(), row.verdict, row.reason) for row in ran if row.verdict != PASS]
@@ -321,6 +322,7 @@ def _run_one_case():
         return rows, session.references
 
 
+@pytest.mark.slow
 def test_reference_computed_once_per_case_across_families():
     rows, store = _run_one_case()
     assert store.computed == 1 and store.failure is None
@@ -328,6 +330,7 @@ def test_reference_computed_once_per_case_across_families():
     assert all(r.verdict == PASS and r.extra["reference"] == "shared" for r in rows)
 
 
+@pytest.mark.slow
 def test_workers_compute_the_reference_when_sharing_fails(monkeypatch):
     from attn_doctor.execution import shared_reference
 
@@ -378,6 +381,7 @@ def _verdicts(row):
     return {name: t.verdict for name, t in row.tensors.items()}
 
 
+@pytest.mark.slow
 def test_faulty_kernels_ran_on_every_layout(faulty_outcome):
     rows, _, _ = faulty_outcome
     for name in FAULTY_NAMES:

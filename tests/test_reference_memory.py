@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from attn_doctor.numerics.reference import attention_reference, naive_reference
@@ -30,6 +31,7 @@ PROBE = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.slow
 def test_long_sequence_stays_under_a_bound_the_naive_scores_exceed():
     naive_scores_mib = SEQ * SEQ * HEADS * 8 / 2**20
     assert naive_scores_mib > 2 * BOUND_MIB

@@ -38,6 +38,7 @@ def _measured(doc):
 
 # --- torch's own kernels are reproducible -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_torch_kernels_are_bitwise_identical_over_repeats(run_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result, doc = _run(run_cli, tmp_path, [*TINY, "--backend", "sdpa.math", "--layout", "contiguous",
@@ -87,6 +88,7 @@ def noisy_run(tmp_path_factory):
     return result, path, json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_a_nondeterministic_kernel_is_reported_not_reproducible(noisy_run):
     result, _, doc = noisy_run
     row = _measured(doc)[("noisy", "contiguous")]
@@ -106,6 +108,7 @@ def test_a_nondeterministic_kernel_is_reported_not_reproducible(noisy_run):
     assert len(table) == 2  # under the layout of each differing row (noisy, wrong_on_second_call)
 
 
+@pytest.mark.slow
 def test_the_verdict_is_on_the_worst_repeat(noisy_run, run_cli, tmp_path, monkeypatch):
     """A kernel wrong on one call of three FAILs with --repeats 3, on that call's numbers; it passes a
     single call."""
@@ -206,6 +209,7 @@ def test_requests_refuse_bad_repeats_without_the_command_line(repeats, small_cas
         prepare(SweepRequest([small_case], select(["local"]), ["contiguous"], "cpu", tmp_path / "s", repeats=repeats))
 
 
+@pytest.mark.slow
 def test_a_sweep_repeats_and_resumes_only_with_the_same_repeats(run_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["sweep", *TINY, "--seq", "16,24", "--backend", "sdpa.math", "--layout", "contiguous"]

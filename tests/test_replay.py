@@ -90,6 +90,7 @@ class _TwoUsesOfTheOutput(torch.nn.Module):
             q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h * d)
 
 
+@pytest.mark.slow
 def test_a_replayed_paths_backward_gets_the_output_gradient_laid_out_as_in_the_run(run_cli, tmp_path, monkeypatch):
     q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
     weight = torch.randn(2, 3, 8, 4)
@@ -119,6 +120,7 @@ def test_a_replayed_paths_backward_gets_the_output_gradient_laid_out_as_in_the_r
     assert strided == [(CAPTURED, False), (CAPTURED, True), ("contiguous", False), ("contiguous", False)]
 
 
+@pytest.mark.slow
 def test_replay_judges_each_distinct_call_once_and_every_path_passes(run_cli, capture_dir, tmp_path):
     result = run_cli(["replay", capture_dir, "--backend", "sdpa", "--device", "cpu", "--out", tmp_path / "r"])
     assert result.exit_code == 0, result.output
@@ -131,6 +133,7 @@ def test_replay_judges_each_distinct_call_once_and_every_path_passes(run_cli, ca
     assert report.exit_code == 0 and "call 0." in report.output  # the replayed call, named in the case
 
 
+@pytest.mark.slow
 def test_replay_with_a_faulty_kernel_names_it_and_bisect_starts_from_its_row(run_cli, capture_dir, tmp_path):
     result = run_cli(["replay", capture_dir, "--kernel", f"faulty={FAULTY}", "--device", "cpu", "--layer", "1",
                       "--out", tmp_path / "r"])
@@ -142,6 +145,7 @@ def test_replay_with_a_faulty_kernel_names_it_and_bisect_starts_from_its_row(run
     assert "replay" not in found["minimal_case"]  # seeded inputs of its shapes fail too: the capture is not needed
 
 
+@pytest.mark.slow
 def test_a_replayed_rows_results_render_and_bisect_from_their_rows_when_the_capture_is_gone(run_cli, capture_dir,
                                                                                            tmp_path):
     """A results row names its captured call, but is whole without it: the report renders, and bisect starts
@@ -161,6 +165,7 @@ def test_a_replayed_rows_results_render_and_bisect_from_their_rows_when_the_capt
     assert "replay" not in json.loads((tmp_path / "b.json").read_text())["start_case"]
 
 
+@pytest.mark.slow
 def test_a_bisect_that_needs_the_captured_values_says_they_are_missing(run_cli, tmp_path):
     """A fault that only the captured values trigger: without the capture folder, bisect says that the values
     are needed and missing, and finds nothing to bisect on seeded inputs (exit 1)."""
@@ -178,6 +183,7 @@ def test_a_bisect_that_needs_the_captured_values_says_they_are_missing(run_cli, 
     assert "nothing to bisect" in said and "which are needed and missing" in said and str(tmp_path / "cap") in said
 
 
+@pytest.mark.slow
 def test_run_replay_checks_one_call_and_refuses_other_shapes(run_cli, capture_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # run writes its results under ./reports
     call = _with_values(capture_dir)
@@ -202,6 +208,7 @@ def test_calls_that_cannot_be_replayed_say_why(run_cli, tmp_path):
     assert "dropout 0.1" in result.output
 
 
+@pytest.mark.slow
 def test_a_custom_scale_and_q_k_v_that_are_one_tensor_replay_on_seeded_values_through_their_storage(run_cli,
                                                                                                   tmp_path):
     q = torch.randn(1, 2, 8, 4)
@@ -218,6 +225,7 @@ def test_a_custom_scale_and_q_k_v_that_are_one_tensor_replay_on_seeded_values_th
     assert "seeded values (through the shared storage)" in result.output
 
 
+@pytest.mark.slow
 def test_sdpa_masks_replay_as_the_captured_mask_and_bias_per_head_ones_say_why(run_cli, tmp_path):
     q, k, v = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(3))
     lengths = torch.tensor([12, 7])
@@ -247,6 +255,8 @@ def test_sdpa_masks_replay_as_the_captured_mask_and_bias_per_head_ones_say_why(r
     assert torch.equal(semantics.bias, additive.masked_fill(additive == -math.inf, 0))
 
 
+@pytest.mark.torchrun
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo")
 def test_a_tp2_capture_replays_each_ranks_shards(run_cli, tmp_path):
     import shutil
@@ -280,6 +290,7 @@ class _TEStandIn(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(query_layer.shape[0], query_layer.shape[1], -1)
 
 
+@pytest.mark.slow
 def test_a_te_call_is_recorded_with_its_module_settings_and_replays_as_its_case(run_cli, tmp_path, monkeypatch):
     import types
 
@@ -303,6 +314,7 @@ def test_a_te_call_is_recorded_with_its_module_settings_and_replays_as_its_case(
     assert "captured views are sbhd" in result.output  # SDPA takes bshd: its captured row is a SKIP that says so
 
 
+@pytest.mark.slow
 def test_a_repro_that_still_needs_its_capture_reruns_attn_doctor_on_it(capture_dir, tmp_path):
     from attn_doctor.backends import select
     from attn_doctor.bisect.repro import write_repro

@@ -124,6 +124,7 @@ class PackedTEStandIn(TEStandIn):
         return super().forward(query_layer, key_layer, value_layer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed_as", ["qkv_layer", "qkv_layer at -2", "kv_layer"])
 def test_te_packed_qkv_layer_is_captured_as_the_views_te_selects_and_replayed(packed_as, run_cli, tmp_path,
                                                                               monkeypatch):
@@ -202,6 +203,7 @@ def test_a_te_padding_attention_mask_gives_the_lengths_and_must_be_right_padding
     assert "not right padding" in reason
 
 
+@pytest.mark.slow
 def test_a_te_arbitrary_mask_and_bias_are_the_captured_ones(te_stand_in, run_cli, tmp_path):
     q, k, v = (torch.randn(6, 2, 2, 8, requires_grad=True) for _ in range(3))  # sbhd
     hidden = torch.rand(2, 1, 6, 6) < 0.3  # TE: True = masked out
@@ -223,6 +225,7 @@ def test_a_te_arbitrary_mask_and_bias_are_the_captured_ones(te_stand_in, run_cli
     assert plain.case.replay is None and plain.case.mask_source.startswith("random:") and plain.layout == "contiguous"
 
 
+@pytest.mark.slow
 def test_a_te_softmax_scale_is_the_case_scale_and_a_kernel_that_ignores_it_fails(te_stand_in, run_cli, tmp_path,
                                                                                  monkeypatch):
     monkeypatch.chdir(tmp_path)  # run writes its results under ./reports

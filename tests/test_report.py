@@ -44,7 +44,7 @@ HOSTILE_TEXT = "<script>alert(1)</script> a|b **x** &amp;\nsecond line"
 HOSTILE_RAN = "ran " + HOSTILE_TEXT
 HOSTILE_REASON = "dq: " + HOSTILE_TEXT
 # What the report shows for matching known defects is fixed here, so the golden pins the report, not the
-# known-bug data file (tests/test_known_bugs.py covers that); the entry is made up and hostile on purpose.
+# known-bug data file (tests/test_known_defects.py covers that); the entry is made up and hostile on purpose.
 KNOWN = ["EXAMPLE (test fixture, not a real defect): TE 2.20.2 + cuDNN 9.14.0 on sm_90 <b>bold</b> a|b"]
 MD_ALLOWED_TAGS = {"details", "summary", "sub", "br"}  # the HTML the markdown writer itself emits
 FAILING = ("FAIL", "ERROR")

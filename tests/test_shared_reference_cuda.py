@@ -20,7 +20,7 @@ from attn_doctor.core.case import make_case
 from attn_doctor.execution.session import Session
 from attn_doctor.probes.plan import plan_calls, plan_depth
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")]
 
 REPO = Path(__file__).resolve().parent.parent
 LEAK_WARNING = "Producer process has been terminated before all shared CUDA tensors released"

@@ -205,6 +205,7 @@ def correct_depth(tmp_path_factory, run_cli):
     return result, doc, workdir / "sweep"
 
 
+@pytest.mark.slow
 def test_correct_kernels_pass_at_every_depth(correct_depth):
     result, doc, _ = correct_depth
     assert result.exit_code == 0, result.output
@@ -237,6 +238,7 @@ def test_depth_reference_built_once_per_depth_and_shared(correct_depth):
     assert {r["family"] for r in doc["results"]} == {"local", "sdpa", "kernel"}
 
 
+@pytest.mark.slow
 def test_depth_runs_one_depth_at_a_time_and_computes_each_stack_once():
     from attn_doctor.backends import BackendSpec
     from attn_doctor.execution.session import Session, depth_steps
@@ -268,6 +270,7 @@ def test_depth_plot_is_a_png(correct_depth):
     assert doc["artifacts"] == {"plot": PLOT_FILE}
 
 
+@pytest.mark.slow
 def test_no_plot_without_depths(layout_sweep):
     _, _, directory = layout_sweep
     assert not (directory / PLOT_FILE).exists()
@@ -283,6 +286,7 @@ def compounding_depth(tmp_path_factory, run_cli):
     return result, doc, workdir / "sweep"
 
 
+@pytest.mark.slow
 def test_compounding_kernel_passes_shallow_and_fails_deep(compounding_depth):
     result, doc, _ = compounding_depth
     assert result.exit_code == 1, result.output
@@ -359,6 +363,7 @@ def _tp_rows(doc, backend, kv_heads):
             if r["backend"] == backend and r["case"]["kv_heads"] == kv_heads and r["coords"].get("probe") == "tp"}
 
 
+@pytest.mark.slow
 def test_tp_rows_layouts_and_coords(tp_sweep):
     _, doc = tp_sweep
     for backend in ("ignores_strides", "correct_fp32", "sdpa.math"):
@@ -401,6 +406,7 @@ def test_tp_correct_kernels_pass_at_every_degree(tp_sweep):
             assert gqa[key]["verdict"] == "SKIP" and "divisible by 4" in gqa[key]["reason"]
 
 
+@pytest.mark.slow
 def test_depth_stack_with_tp_shards(tmp_path, run_cli):
     """--layers with --tp: the shards run inside every layer; a correct kernel gives TP=1's dQ."""
     result, doc = _sweep(run_cli, tmp_path, [*DEPTH_FLAGS, "--kv-heads", "2", "--layers", "2", "--tp", "1,2",
@@ -446,6 +452,7 @@ def _assert_each_row_once(directory: Path, points: int, rows_per_point: int, raw
 
 
 # SIGTERM kills Python outright; SIGINT (Ctrl-C) unwinds through the sweep and exits 130.
+@pytest.mark.slow
 @pytest.mark.parametrize("signum,returncode", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)],
                          ids=["SIGTERM", "SIGINT"])
 def test_kill_mid_sweep_then_resume_runs_every_point_once(tmp_path, run_cli, signum, returncode):
@@ -533,6 +540,7 @@ def test_resume_of_a_finished_sweep_runs_nothing(layout_sweep, tmp_path, run_cli
     _assert_each_row_once(directory, len(RESUME_SEQS), ROWS_PER_POINT)
 
 
+@pytest.mark.slow
 def test_torn_appended_line_is_cut_and_its_point_rerun(layout_sweep, tmp_path, run_cli):
     """Killed while writing the last point: its half line is cut off and the point runs again."""
     directory = _copy(layout_sweep, tmp_path)
@@ -546,6 +554,7 @@ def test_torn_appended_line_is_cut_and_its_point_rerun(layout_sweep, tmp_path, r
     _assert_each_row_once(directory, len(RESUME_SEQS), ROWS_PER_POINT)
 
 
+@pytest.mark.slow
 def test_torn_last_row_of_a_point_is_rerun_once(layout_sweep, tmp_path, run_cli):
     """Torn inside the point's last line: its earlier rows were written but the point never completed.
     Rerunning it must not leave those rows twice, now or after a later --resume."""
@@ -679,6 +688,7 @@ def test_recipe_grid(tmp_path):
     assert depths == [3] and degrees == [1]
 
 
+@pytest.mark.slow
 def test_cli_grid_runs_the_cross_product(tmp_path, run_cli):
     result, doc = _sweep(run_cli, tmp_path, [
         "--batch", "1", "--heads", "2", "--device", "cpu", "--seq", "16,32", "--head-dim", "8,16",
@@ -693,6 +703,7 @@ def test_cli_grid_runs_the_cross_product(tmp_path, run_cli):
     assert "sweep summary" in tally and "local 16 0 0 0" in tally
 
 
+@pytest.mark.slow
 def test_two_workers_per_family_run_every_point_once_in_grid_order(tmp_path, run_cli):
     result, doc = _sweep(run_cli, tmp_path, [
         "--batch", "2", "--heads", "2", "--head-dim", "8", "--device", "cpu", "--seq", "16,24,32,40,48",
@@ -708,6 +719,7 @@ def test_two_workers_per_family_run_every_point_once_in_grid_order(tmp_path, run
     assert len(complete) == len(set(complete)) == 5 and len(records) == 5 * per_point
 
 
+@pytest.mark.slow
 def test_session_spreads_a_familys_points_over_its_workers():
     from attn_doctor.backends import BackendSpec
     from attn_doctor.execution.session import Session
@@ -736,6 +748,7 @@ def window_sweep(tmp_path_factory, run_cli):
         "--layout", "contiguous", "--layout", "sbh3d_packed"])
 
 
+@pytest.mark.slow
 def test_windows_and_cross_attention_reach_sdpa_and_baseline(window_sweep):
     _, doc = window_sweep
     cases = {(r["case"]["seq_kv"], r["case"]["mask"], tuple(r["case"]["window"])) for r in doc["results"]}
@@ -826,6 +839,7 @@ def test_bad_recipe_grid_exits_2_with_one_line(tmp_path, run_cli, grid):
     one_line_error(result)
 
 
+@pytest.mark.slow
 def test_out_that_already_holds_a_sweep_is_refused(tmp_path, monkeypatch, run_cli):
     """Seen on the H200: re-running into an existing --out silently reused its old rows."""
     monkeypatch.chdir(tmp_path)

@@ -488,6 +488,7 @@ def test_the_repro_reproduces_feature_faults_without_attn_doctor(func, fields, l
         assert last.startswith("STILL WRONG") and wrong in last
 
 
+@pytest.mark.slow
 def test_bisect_reduces_a_feature_fault_to_its_conditions(run_cli, tmp_path):
     """A kernel that applies a top-left diagonal where bottom-right was asked: bisect keeps exactly the mask
     type and cross-attention, and drops the learnable sink it started with (its gradient fails too at the
@@ -512,6 +513,7 @@ def test_a_kernel_whose_output_ignores_q_and_k_fails_with_zero_gradients_not_an_
     assert row.tensors["dq"].cosine == 0.0  # an all-zero gradient, compared like any other
 
 
+@pytest.mark.slow
 def test_a_softmax_scale_reaches_every_path_and_the_default_one_is_spelled_none(run_cli, tmp_path, monkeypatch):
     from attn_doctor.core.case import make_case
 

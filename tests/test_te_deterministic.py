@@ -204,7 +204,7 @@ def test_known_defects_match_the_deterministic_path_as_deterministic():
     from attn_doctor.core.coords import Coords
     from attn_doctor.results.report import RunReport
     from attn_doctor.results.row import Row
-    from test_known_bugs import make_env
+    from test_known_defects import make_env
 
     env = make_env(te_cudnn="9.19.0 (91900)", sm="sm_120")
     case = make_case(batch=1, seq=16, heads=2, head_dim=8)

@@ -224,6 +224,7 @@ def _seeded_cases(count: int) -> list:
 SEEDED = _seeded_cases(210)
 
 
+@pytest.mark.slow
 def test_no_false_alarm_on_correct_paths_over_seeded_cases():
     """The false-alarm rate, measured: correct paths (PyTorch's math and flash kernels and an fp32
     autograd --kernel) on 210 seeded cases; no tensor may FAIL. Stated in the closing note of issue 15."""

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from test_known_bugs import make_env
+from test_known_defects import make_env
 
 from attn_doctor.core.case import MASKS, Case
 from attn_doctor.core.layouts import LAYOUTS

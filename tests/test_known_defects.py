@@ -1,7 +1,7 @@
 """Known-bug recognition: the shipped data file, the loader's validation, the tricky conditions, symptoms
 present and absent ("not reproduced here"), and where the matches are shown.
 
-Every rule is also tested from its own [bug.when] table, key by key, in tests/test_known_bugs_rules.py.
+Every rule is also tested from its own [bug.when] table, key by key, in tests/test_known_defects_rules.py.
 """
 
 from __future__ import annotations
