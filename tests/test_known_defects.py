@@ -10,7 +10,6 @@ import ast
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -39,14 +38,6 @@ from attn_doctor.known_defects.loading import _VALIDATORS
 from attn_doctor.machine.fingerprint import EnvReport
 
 BACKEND_NAMES = CONDITION_BY_KEY["backend"].choices  # the path names a rule's backend may list
-# What the assertions below read of the module the package replaced, as views of the one condition table:
-# the documentation, the keys whose kind has a validator, and the case keys that have a check.
-known_bugs_module = SimpleNamespace(
-    __doc__=known_defects.__doc__,
-    ENV_KEYS=ENV_KEYS,
-    _KINDS={c.key: c.kind for c in CONDITIONS if c.kind in _VALIDATORS},
-    _CASE_CHECKS={c.key: c.check for c in CONDITIONS if c.scope == "case" and callable(c.check)},
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 TE_TREE = "https://github.com/NVIDIA/TransformerEngine"
@@ -165,11 +156,12 @@ def test_every_wrong_number_bug_of_the_reference_has_a_rule():
 
 
 def test_every_condition_key_is_documented_validated_and_read():
-    doc = known_bugs_module.__doc__
+    doc = known_defects.__doc__
+    validated = {c.key for c in CONDITIONS if c.kind in _VALIDATORS}
     for key in CONDITION_KEYS:
         assert f"``{key}``" in doc, key
-        assert key in known_bugs_module._KINDS, key
-    assert set(known_bugs_module._CASE_CHECKS) == set(CASE_KEYS)
+        assert key in validated, key
+    assert {c.key for c in CONDITIONS if c.scope == "case" and callable(c.check)} == set(CASE_KEYS)
 
 
 def _documented_keys(doc: str) -> dict[str, str | None]:
@@ -391,7 +383,7 @@ def test_unknown_facts_never_match():
                               dout_strided=True, causal_with_explicit_mask=True, varying_cu_seqlens=True,
                               recompute=True, backend="te.fused", sub_backend=1, layout="transposed")
     # Rules with no environment condition may match without facts; every other rule must not.
-    facts_free = {b.id for b in BUGS if not set(b.when) & set(known_bugs_module.ENV_KEYS)}
+    facts_free = {b.id for b in BUGS if not set(b.when) & set(ENV_KEYS)}
     for case in (make_case(), make_case(seq=2048, mask="none", window=(128, 128)), make_case(seq=1000)):
         for ctx in (MatchContext.from_env(env), everything):
             assert set(_ids(match_case(BUGS, env, case, ctx))) <= facts_free
