@@ -596,7 +596,7 @@ def test_bisect_bad_input_exits_2_with_one_line(name, run_cli, results_files, tm
                      if not any(a == "--from" for a in args) else ["bisect", *args, "--device", "cpu"])
     line = one_line_error(result)
     assert message in line, line
-    assert not list(tmp_path.rglob("repro_*.py")) and not (tmp_path / "reports").exists()  # nothing was bisected
+    assert not list(tmp_path.rglob("repro_*.py")) and not (tmp_path / "attn-doctor-results").exists()  # nothing was bisected
 
 
 # --- --from RESULTS ---------------------------------------------------------------------------------------
@@ -622,7 +622,7 @@ def test_bisect_from_results_starts_at_the_failing_row(row, layout, run_cli, res
     assert doc["minimal_case"]["case"]["dtype"] == "fp16"
     repro = Path(doc["repro"])
     assert repro.is_file() and repro.resolve().parent == faulty.resolve().parent  # beside --from
-    assert not (tmp_path / "reports").exists()
+    assert not (tmp_path / "attn-doctor-results").exists()
 
 
 def test_a_minimal_case_a_correct_path_also_fails_is_set_aside(monkeypatch):

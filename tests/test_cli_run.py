@@ -1,6 +1,6 @@
 """`attn-doctor run` and `attn-doctor report` through click's CliRunner (worker processes are real).
 
-Every test runs in its own temporary working directory: `run` writes reports/<run-id>/results.json there.
+Every test runs in its own temporary working directory: `run` writes attn-doctor-results/<run-id>/results.json there.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_faulty_kernel_exit_1_and_default_json_location(tmp_path, monkeypatch, r
     result = run_cli(["run", *small_flags, "--kernel", f"{faulty_path}:dq_two_percent",
                       "--kernel", f"good={faulty_path}:correct_fp32", "--layout", "contiguous"])
     assert result.exit_code == 1, result.output
-    (written,) = tmp_path.glob("reports/*/results.json")
+    (written,) = tmp_path.glob("attn-doctor-results/*/results.json")
     doc = json.loads(written.read_text())
     rows = {r["backend"]: r for r in doc["results"]}
     table = _table_verdicts(result.stdout, set(rows))
@@ -253,7 +253,7 @@ def test_bad_run_input_exits_2_with_one_line(args, message, tmp_path, monkeypatc
     args = [a.replace("{faulty}", str(faulty_path)) for a in args]
     line = one_line_error(run_cli(["run", "--device", "cpu", *args]))
     assert message in line
-    assert not (tmp_path / "reports").exists()
+    assert not (tmp_path / "attn-doctor-results").exists()
 
 
 BAD_RECIPES = [
@@ -272,7 +272,7 @@ def test_broken_recipe_exits_2_with_one_line(text, message, tmp_path, monkeypatc
     recipe.write_text(text)
     line = one_line_error(run_cli(["run", "--device", "cpu", "--recipe", recipe]))
     assert message in line
-    assert not (tmp_path / "reports").exists()
+    assert not (tmp_path / "attn-doctor-results").exists()
 
 
 def test_bad_input_in_a_real_process_prints_no_traceback(tmp_path):
@@ -305,10 +305,10 @@ def test_report_renders_markdown(passing_run, run_cli, tmp_path, monkeypatch):
 def test_report_output_file_and_newest_default(passing_run, run_cli, tmp_path, monkeypatch):
     _, json_path, _ = passing_run
     monkeypatch.chdir(tmp_path)
-    run_dir = tmp_path / "reports" / "run-1"
+    run_dir = tmp_path / "attn-doctor-results" / "run-1"
     run_dir.mkdir(parents=True)
     (run_dir / "results.json").write_text(json_path.read_text())
-    result = run_cli(["report", "--output", "r.md"])  # no argument: the newest run under reports/
+    result = run_cli(["report", "--output", "r.md"])  # no argument: the newest run under attn-doctor-results/
     assert result.exit_code == 0, result.output
     assert (tmp_path / "r.md").read_text().startswith("## attn-doctor report")
     assert run_cli(["report", run_dir]).stdout.startswith("## attn-doctor report")  # a run folder works too
@@ -365,4 +365,4 @@ def test_report_bad_file_exits_2(content, message, passing_run, tmp_path, monkey
 def test_report_without_any_run_exits_2(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
     line = one_line_error(run_cli(["report"]))
-    assert "no results under reports/" in line
+    assert "no results under attn-doctor-results/" in line

@@ -83,7 +83,7 @@ def test_bad_input_exits_2_with_one_line_and_nothing_written(name, tmp_path, mon
     started = time.perf_counter()
     line = one_line_error(run_cli(args))
     assert message in line, line
-    assert not (tmp_path / "reports").exists()
+    assert not (tmp_path / "attn-doctor-results").exists()
     assert time.perf_counter() - started < 30  # refused, not run
 
 

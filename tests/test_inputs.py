@@ -268,7 +268,7 @@ def test_bad_inputs_exit_2_with_one_line(args, message, run_cli, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     line = one_line_error(run_cli([str(recipe) if a == "{recipe}" else a for a in args]))
     assert message in line, line
-    assert not (tmp_path / "reports").exists()
+    assert not (tmp_path / "attn-doctor-results").exists()
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
 """`attn-doctor report --format issue`, and bisects through `report`.
 
-Fixtures are real documents: tests/data/results-h200-transposed.json (TE 2.20.2's FusedAttention wrong on
-transposed views, H200; reports/h200/redesign/run-default), tests/data/results-fixed.json (the goldens'
-document), two bisects made on the H200 before bisect recorded rows (tests/data/bisect-h200-*, from
-reports/h200/bisect-te-fused and reports/h200/api/bisect-flash-causal), and a run and bisect made here on the
-CPU with the test kernel that is wrong only in fp16 (one module fixture, about 15 s).
+Fixtures are real documents, read where they are committed: the H200 evidence under reports/h200
+(redesign/run-default/results.json: TE 2.20.2's FusedAttention wrong on transposed views; two bisects made
+before bisect recorded rows, bisect-te-fused and api/bisect-flash-causal), tests/data/results-fixed.json (the
+goldens' document), and a run and bisect made here on the CPU with the test kernel that is wrong only in fp16
+(one module fixture, about 15 s).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from attn_doctor.results.bisect_record import noted_verdicts
 from attn_doctor.results.report import RunReport
 
 HERE = Path(__file__).resolve().parent
-DATA = HERE / "data"
-H200_RUN = DATA / "results-h200-transposed.json"
-FIXED = DATA / "results-fixed.json"
-OLD_BISECT = DATA / "bisect-h200-te-fused"  # the stride fault, notes in the oldest wording
-CUT_BISECT = DATA / "bisect-h200-flash-causal"  # notes cut at 200 characters
+EVIDENCE = HERE.parent / "reports" / "h200"  # committed GPU evidence: read, never written
+H200_RUN = EVIDENCE / "redesign" / "run-default" / "results.json"  # TE 2.20.2's FusedAttention, transposed views
+FIXED = HERE / "data" / "results-fixed.json"
+OLD_BISECT = EVIDENCE / "bisect-te-fused"  # the stride fault, notes in the oldest wording
+CUT_BISECT = EVIDENCE / "api" / "bisect-flash-causal"  # notes cut at 200 characters
 COND = HERE / "kernels" / "conditional.py"
 
 TEMPLATE_ORDER = ["**Describe the bug**", "**Minimal case**", "**Steps/Code to reproduce bug**",

@@ -193,7 +193,7 @@ def test_bad_repeats_exit_2_with_one_line(name, run_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = one_line_error(run_cli(args))
     assert message in line, line
-    assert not (tmp_path / "reports").exists()
+    assert not (tmp_path / "attn-doctor-results").exists()
 
 
 @pytest.mark.parametrize("repeats", [0, -1, 1.5, True, "2"])

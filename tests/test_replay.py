@@ -185,7 +185,7 @@ def test_a_bisect_that_needs_the_captured_values_says_they_are_missing(run_cli, 
 
 @pytest.mark.slow
 def test_run_replay_checks_one_call_and_refuses_other_shapes(run_cli, capture_dir, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # run writes its results under ./reports
+    monkeypatch.chdir(tmp_path)  # run writes its results under ./attn-doctor-results
     call = _with_values(capture_dir)
     reference = case_of(call, capture_dir).replay
     result = run_cli(["run", "--replay", reference, "--backend", "sdpa.math", "--device", "cpu"])
@@ -297,7 +297,7 @@ def test_a_te_call_is_recorded_with_its_module_settings_and_replays_as_its_case(
     fake = types.ModuleType("transformer_engine.pytorch")
     fake.DotProductAttention = _TEStandIn
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", fake)
-    monkeypatch.chdir(tmp_path)  # run writes its results under ./reports
+    monkeypatch.chdir(tmp_path)  # run writes its results under ./attn-doctor-results
     module = _TEStandIn(4, 8, qkv_format="sbhd", attn_mask_type="causal")
     qkv = torch.randn(16, 2, 3, 4, 8, requires_grad=True)  # [s, b, 3, h, d]: Megatron's packed sbhd
     with attn_doctor.capture(tmp_path / "cap", values=True):

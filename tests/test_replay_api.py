@@ -228,7 +228,7 @@ def test_a_te_arbitrary_mask_and_bias_are_the_captured_ones(te_stand_in, run_cli
 @pytest.mark.slow
 def test_a_te_softmax_scale_is_the_case_scale_and_a_kernel_that_ignores_it_fails(te_stand_in, run_cli, tmp_path,
                                                                                  monkeypatch):
-    monkeypatch.chdir(tmp_path)  # run writes its results under ./reports
+    monkeypatch.chdir(tmp_path)  # run writes its results under ./attn-doctor-results
     q, k, v = (torch.randn(8, 1, 2, 16, requires_grad=True) for _ in range(3))
     call = _capture_te(tmp_path / "cap", TEStandIn(2, softmax_scale=0.5), q, k, v)
     case = case_of(call, tmp_path / "cap")

@@ -688,7 +688,7 @@ def sweep_jsonl(doc) -> str:
 
 
 def test_interrupted_sweep_directory_renders(tmp_path, doc, render, run_cli, monkeypatch):
-    sweep = tmp_path / "reports" / "sweep-1"
+    sweep = tmp_path / "attn-doctor-results" / "sweep-1"
     sweep.mkdir(parents=True)
     (sweep / "results.jsonl").write_text(sweep_jsonl(doc))
     md = render(sweep, "markdown")

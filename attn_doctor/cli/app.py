@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from attn_doctor.results.report import RunReport
 
 EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-REPORTS_DIR = Path("reports")
+RESULTS_DIR = Path("attn-doctor-results")  # the default output folder, in the current directory
 
 
 class Interrupted(Exception):
@@ -74,11 +74,11 @@ class Application:
         import datetime
 
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = REPORTS_DIR / f"{kind}-{stamp}"
+        path = RESULTS_DIR / f"{kind}-{stamp}"
         suffix = 1
         while path.exists():
             suffix += 1
-            path = REPORTS_DIR / f"{kind}-{stamp}-{suffix}"
+            path = RESULTS_DIR / f"{kind}-{stamp}-{suffix}"
         return path
 
     def kept_elsewhere(self, why: str, saved: Path) -> int:

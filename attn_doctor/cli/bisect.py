@@ -31,7 +31,7 @@ from attn_doctor.core.probe_kinds import rules_for
               help="Also write the bisect document ({start_case, minimal_case, necessary, probes, repro, ...}) here.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the repro script and the bisect document go (default: beside --from, else "
-                   "reports/bisect-<stamp>); `attn-doctor report` takes the folder or the document.")
+                   "attn-doctor-results/bisect-<stamp>); `attn-doctor report` takes the folder or the document.")
 @click.pass_obj
 def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, layers, from_results, row_index,
            repeats, json_path, out_dir, **case_flags) -> int:

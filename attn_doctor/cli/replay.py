@@ -29,7 +29,7 @@ def _span(values: list[int]) -> str:
 @backend_options
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the results go (a sweep folder: `report` and `bisect --from` read it) "
-                   "[reports/replay-<time>].")
+                   "[attn-doctor-results/replay-<time>].")
 @repeats_option
 @click.pass_obj
 def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, backends, kernels, layouts, device,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from attn_doctor.cli.app import EXIT_OK, REPORTS_DIR, Application
+from attn_doctor.cli.app import EXIT_OK, RESULTS_DIR, Application
 from attn_doctor.core.errors import BadInput
 
 PASTED_FORMATS = ("issue", "markdown")  # pasted where others read them: redacted and within GitHub's limit
@@ -23,7 +23,7 @@ PASTED_FORMATS = ("issue", "markdown")  # pasted where others read them: redacte
 @click.pass_obj
 def report(app: Application, results: Path | None, fmt: str, output: Path | None, keep_identity: bool) -> int:
     """Render a run's results.json, a sweep directory or a bisect's folder or document (default: the newest
-    results under reports/) for a bug report."""
+    results under attn-doctor-results/) for a bug report."""
     from attn_doctor.cli import known
     from attn_doctor.render.report_data import ReportData
     from attn_doctor.results.files import check_writable, write_or_keep
@@ -70,7 +70,7 @@ def report(app: Application, results: Path | None, fmt: str, output: Path | None
 
 
 def newest_results() -> Path:
-    candidates = sorted({p.parent for p in REPORTS_DIR.glob("*/results.json*")}, key=lambda p: p.stat().st_mtime)
+    candidates = sorted({p.parent for p in RESULTS_DIR.glob("*/results.json*")}, key=lambda p: p.stat().st_mtime)
     if not candidates:
-        raise BadInput("no results under reports/; run `attn-doctor run` first or pass a results file")
+        raise BadInput(f"no results under {RESULTS_DIR}/; run `attn-doctor run` first or pass a results file")
     return candidates[-1]

@@ -21,7 +21,7 @@ from attn_doctor.core.layouts import canonical_layouts
 @case_options
 @backend_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the results document here (default: reports/<run-id>/results.json).")
+              help="Write the results document here (default: attn-doctor-results/<run-id>/results.json).")
 @click.option("--profile", is_flag=True, help="Print where the time went (startup, reference, kernels, ...).")
 @click.option("--wide", is_flag=True, help="One wide table with what ran in a column (needs ~150 columns).")
 @click.option("--nproc", type=click.IntRange(min=1),

@@ -23,7 +23,8 @@ from attn_doctor.core.layouts import canonical_layouts
 @click.option("--resume", type=click.Path(file_okay=False, path_type=Path),
               help="Continue the sweep in this directory, skipping the points already in its results.jsonl.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Directory for results.jsonl, results.json and the plot (default: reports/sweep-<stamp>).")
+              help="Directory for results.jsonl, results.json and the plot "
+                   "(default: attn-doctor-results/sweep-<stamp>).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
                    "1 on the CPU; depth sweeps always 1]")

@@ -71,7 +71,7 @@ redesign-1)  # issue 14, the redesign, on the H200 with TE: at 80 columns, the f
   step run-tp2 $A run --tp 2 --json "$out/run-tp2/results.json"
   step run-nproc1-te $A run --nproc 1 --backend te --backend local --json "$out/run-nproc1-te/results.json"
   step too-large $A run --seq 1000000 --json "$out/too-large/results.json"
-  step interrupt-run python3 reports/h200/interrupt.py 14 "$out/interrupt-run.log" -- run --json "$out/interrupt-run/results.json"
+  step interrupt-run python3 benchmarks/evidence/interrupt.py 14 "$out/interrupt-run.log" -- run --json "$out/interrupt-run/results.json"
   ;;
 redesign-2)  # the rest: a depth sweep, bisect and its repro, the CUDA IPC test, Ctrl-C in a depth sweep
   export COLUMNS=80
@@ -82,7 +82,7 @@ redesign-2)  # the rest: a depth sweep, bisect and its repro, the CUDA IPC test,
     rc=$?
     echo "repro $(basename "$script"): exit $rc" | tee -a "$out/bisect/repro-output.txt"
   done
-  step interrupt-sweep python3 reports/h200/interrupt.py 20 "$out/interrupt-sweep.log" -- sweep --layers 24,128 --out "$out/interrupt-sweep"
+  step interrupt-sweep python3 benchmarks/evidence/interrupt.py 20 "$out/interrupt-sweep.log" -- sweep --layers 24,128 --out "$out/interrupt-sweep"
   step cuda-test python3 -m pytest -q -p no:cacheprovider tests/test_shared_reference_cuda.py
   for d in run-default run-tp2 run-nproc1-te sweep-depth; do
     $A report "$out/$d" --format markdown --output "$out/$d/report.md"
@@ -93,7 +93,7 @@ redesign-3)  # a fresh lease: the depth sweeps again (the first lease's was refu
   export COLUMNS=80
   step sweep-depth $A sweep --layers 24,128 --out "$out/sweep-depth"
   step sweep-1615 $A sweep --recipe megatron-gpt-1615 --out "$out/sweep-1615"
-  step interrupt-sweep python3 reports/h200/interrupt.py 20 "$out/interrupt-sweep.log" -- sweep --layers 24,128 --out "$out/interrupt-sweep"
+  step interrupt-sweep python3 benchmarks/evidence/interrupt.py 20 "$out/interrupt-sweep.log" -- sweep --layers 24,128 --out "$out/interrupt-sweep"
   step run-nproc1-te $A run --nproc 1 --backend te --backend local --json "$out/run-nproc1-te/results.json"
   for d in sweep-depth sweep-1615 run-nproc1-te; do
     $A report "$out/$d" --format markdown --output "$out/$d/report.md"

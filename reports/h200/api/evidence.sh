@@ -4,8 +4,9 @@
 # where the last one stopped (state in /tmp/api, kept between calls on one machine), until DEADLINE (epoch
 # seconds; default: 560 s after this script starts), then packs what exists into $OUT/api.tgz:
 #   versions; the default run (its wall time); the TE-coverage sweep (--resume after the first call); its
-#   markdown report; bisects of the smallest case of each distinct TE fault (pick_bisects.py, at most PICKS,
-#   default 4), then the attn-doctor argument lines of the file EXTRA, if given.
+#   markdown report; bisects of the smallest case of each distinct TE fault
+#   (benchmarks/evidence/pick_bisects.py, at most PICKS, default 4), then the attn-doctor argument lines of the
+#   file EXTRA, if given.
 # WORKERS sets the sweep's worker processes per backend family (default 3); API_DIR the state folder (default
 # /tmp/api); DEFAULT_RUN=0 skips the default run; DIAGNOSE=1 runs diagnose.py (TE directly) first.
 set -u
@@ -51,7 +52,7 @@ done
 
 if [ ! -e "$O/done/report" ]; then
   $AD report "$O/coverage" --format markdown > "$O/coverage.md" 2>&1
-  python3 reports/h200/api/pick_bisects.py "$O/coverage" --limit ${PICKS:-4} --out "$O" > "$O/bisect.args" \
+  python3 benchmarks/evidence/pick_bisects.py "$O/coverage" --limit ${PICKS:-4} --out "$O" > "$O/bisect.args" \
       2> "$O/bisect-picks.txt"
   [ -n "${EXTRA:-}" ] && sed "s#\$O#$O#g" "$EXTRA" >> "$O/bisect.args"
   touch "$O/done/report"

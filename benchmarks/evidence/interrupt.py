@@ -1,7 +1,8 @@
 """Ctrl-C evidence: start an attn-doctor command, send it SIGINT after WAIT seconds, and print how long it
 took to exit (the process, and both of its output pipes) and with which code.
 
-Usage: python3 reports/h200/interrupt.py WAIT OUTFILE -- attn-doctor arguments...
+Usage: python3 benchmarks/evidence/interrupt.py WAIT OUTFILE -- attn-doctor arguments...
+(attn-doctor importable: installed, or PYTHONPATH at the project root)
 """
 
 import subprocess

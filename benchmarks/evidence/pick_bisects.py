@@ -2,17 +2,18 @@
 
 A fault is (backend, verdict, failing tensors, the case's API features and mask): rows sharing one are the same
 question asked at different sizes, so only the smallest case (fewest attention scores) is bisected. Faults
-already bisected elsewhere (te.flash under causal masks: ../verdicts/bisect-te-flash) come last.
-Prints one `attn-doctor bisect` argument line per pick (what evidence.sh runs), at most --limit of them.
+already bisected elsewhere (te.flash under causal masks: reports/h200/verdicts/bisect-te-flash) come last.
+Prints one `attn-doctor bisect` argument line per pick (what reports/h200/api/evidence.sh runs), at most --limit
+of them; the picks on stderr.
 
-    python3 reports/h200/api/pick_bisects.py /tmp/api/coverage --limit 4
+    python3 benchmarks/evidence/pick_bisects.py /tmp/api/coverage --limit 4
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from attn_doctor.results.log import load_results  # noqa: E402
 
 parser = argparse.ArgumentParser()
