@@ -463,3 +463,31 @@ def test_te_packed_qkv_layer_calls_of_tp1_and_tp2_compare_head_by_head(tmp_path,
     assert same.startswith("same within rounding"), same
     differs = compare_captures(tmp_path / "tp1", tmp_path / "tp2-faulty").answer()
     assert differs.startswith("differs from layer 0") and differs.endswith("on rank 0 (tp_rank 1)"), differs
+
+
+def _hand_written(root: Path, kind: str) -> Path:
+    """A capture (in-process, `modules=`) of the hand-written model with `kind` attention in bf16, its keys
+    sharing a large direction (`tests/models/hand_attention.py`)."""
+    from tests.models import hand_attention
+
+    spec = "tests.models.hand_attention.CoreAttention:q=query,k=key,v=value,layout=bshd,causal=true"
+    with attn_doctor.capture(root / kind, values=True, modules=[spec]):
+        hand_attention.train(kind=kind, dtype="bf16", key_shift=5.0)
+    return root / kind
+
+
+@pytest.mark.slow
+def test_a_flash_style_backward_is_not_called_a_fault_for_its_own_rounding_and_a_wrong_one_still_is(tmp_path):
+    """Keys with a large common direction: a correct flash-style dQ is several times an unfused one's error
+    (D from the rounded output), which a ratio to the other run alone calls a fault; a dQ 5% off still is one."""
+    unfused, flash, wrong = (_hand_written(tmp_path, kind) for kind in ("unfused", "flash", "flash-wrong"))
+    comparison = compare_captures(unfused, flash)
+    dq = [m for layer in comparison.layers for m in layer.measured if m.tensor == "dq"]
+    assert any(m.e[1] > FACTOR * max(m.e[0], m.floor) for m in dq)  # what the other run's error alone calls far
+    assert comparison.same, comparison.answer()
+    assert 1 in [m.flash_run for m in dq] and 0 not in [m.flash_run for m in dq]
+    assert "which a flash-style backward makes on these inputs" in comparison.account()[1]
+    faulty = compare_captures(unfused, wrong)
+    assert not faulty.same
+    layer, measured = faulty.first_fault()
+    assert (layer.layer, measured.tensor, measured.faulty_run) == (1, "dq", 1)

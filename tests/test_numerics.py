@@ -462,3 +462,35 @@ def test_baseline_rows_are_the_reference_of_the_ratios(faulty_outcome):
         assert row.layout == "contiguous" and row.verdict == PASS
         # Its own yardstick: ratio 1, or below 1 where rounding noise is the larger yardstick.
         assert all(t.ratio == 1.0 if t.yardstick_kind == "baseline" else t.ratio < 1.0 for t in row.tensors.values())
+
+
+def test_the_output_rounding_part_of_dq_is_the_excess_of_a_flash_style_backward_over_an_unfused_one():
+    """`numerics.rounded_output`: with keys sharing a large direction, a flash-style backward's dQ (D from the
+    output it returned) is far less accurate than an unfused one's, and the predicted part points where the
+    excess does; with no shared direction the part is within ordinary rounding."""
+    from attn_doctor.numerics.rounded_output import output_rounding_gradients
+    from tests.models import hand_attention
+
+    generator = torch.Generator().manual_seed(0)
+    b, s, h, d = 2, 64, 2, 16
+    shared = 6 * torch.randn(h, d, generator=generator) / d ** 0.5
+    q, k, v, dout = (torch.randn(b, s, h, d, generator=generator) for _ in range(4))
+    for shift, excess in ((1.0, True), (0.0, False)):
+        q16, k16, v16, dout16 = (t.to(torch.bfloat16) for t in (q, k + shift * shared, v, dout))
+        exact = attention_reference(q16, k16, v16, dout16, softmax_scale=d ** -0.5, causal=True, with_terms=False)
+        dqs = {}
+        for kind in ("flash", "unfused"):
+            q_, k_, v_ = (t.clone().requires_grad_() for t in (q16, k16, v16))
+            out = hand_attention.KINDS[kind]()(q_, k_, v_)
+            out.backward(dout16)
+            dqs[kind], dqs[f"{kind} out"] = q_.grad.double(), out.detach()
+        moved = output_rounding_gradients(q16, k16, dout16, exact.out, dqs["flash out"], softmax_scale=d ** -0.5,
+                                          causal=True)["dq"]
+        error = {kind: float((dqs[kind] - exact.dq).norm() / exact.dq.norm()) for kind in ("flash", "unfused")}
+        part = float(moved.norm() / exact.dq.norm())
+        if excess:
+            assert error["flash"] > 2 * error["unfused"] and part > error["unfused"]
+            gap = (dqs["flash"] - dqs["unfused"]).flatten()
+            assert float(gap @ moved.flatten() / gap.norm() / moved.norm()) > 0.5
+        else:
+            assert error["flash"] < 1.5 * error["unfused"] and part < error["unfused"]  # ordinary rounding

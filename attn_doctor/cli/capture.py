@@ -39,14 +39,21 @@ def byte_size(text: str) -> int:
 @click.option("--ranks", help="With --values: only these ranks, e.g. 0.")
 @click.option("--max-bytes", default="256MB", show_default=True,
               help="With --values: at most this much per process; later calls keep their metadata only.")
+@click.option("--module", "modules", multiple=True, metavar="PKG.Class[:MAPPING]",
+              help="Also wrap this attention module (repeatable): q, k, v by MAPPING q=NAME,k=NAME,v=NAME (names or "
+                   "positions; default 0,1,2), layout=bshd|sbhd|bhsd, causal=true|false, scale=NUMBER.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def capture(app: Application, out: Path, values: bool, layers: str | None, steps: str | None, ranks: str | None,
-            max_bytes: str, command: tuple[str, ...]) -> int:
+            max_bytes: str, modules: tuple[str, ...], command: tuple[str, ...]) -> int:
     """Run COMMAND (after --) unchanged and record every attention call it makes: TE DotProductAttention,
-    torch's scaled_dot_product_attention and flash-attn, in every Python process it starts (torchrun too).
-    Metadata always (shapes, strides, storage offsets, masks, lengths, TE's chosen backend, rank, layer);
-    values only with --values, for the selected calls. Never captured: weights, data, other activations."""
+    torch's scaled_dot_product_attention, flash-attn and Megatron-Core's own core attention (and each --module),
+    in every Python process it starts (torchrun too). Metadata always (shapes, strides, storage offsets, masks,
+    lengths, TE's chosen backend, rank, layer); values only with --values, for the selected calls. Never
+    captured: weights, data, other activations."""
+    from attn_doctor.tracing.clients import parse_module_spec
+
+    specs = [parse_module_spec(text) for text in modules]
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -58,7 +65,7 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
                                                                   ("ranks", ranks))}}
     if not values and any(selection[name] is not None for name in ("layers", "steps", "ranks")):
         raise BadInput("--layers, --steps and --ranks choose whose values are recorded: add --values")
-    from attn_doctor.tracing.store import HEADER, read_capture
+    from attn_doctor.tracing.store import HEADER, read_capture, read_notes
 
     if (out / HEADER).exists():
         raise BadInput(f"--out {out} already holds a capture; give a new folder (a capture is one run's calls)")
@@ -72,7 +79,8 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(bootstrap), str(package_root)] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["ATTN_DOCTOR_CAPTURE"] = json.dumps({"out": str(out.resolve()), **selection})
+    env["ATTN_DOCTOR_CAPTURE"] = json.dumps({"out": str(out.resolve()), **selection,
+                                            "modules": [spec.to_text() for spec in specs]})
     child = subprocess.Popen(list(command), env=env)
     try:
         code = child.wait()
@@ -92,9 +100,16 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
     if code != 0:
         click.echo(f"the command exited with {code}" + (f"; {summary}" if summary else ""), err=True)
         return EXIT_FAULT
+    for spec in specs:
+        if not any(c.meta["api"] == spec.api for c in calls):
+            why = [note["not_recorded"] for note in read_notes(out) if note.get("module") == spec.target]
+            raise BadInput(f"--module {spec.target}: " + (
+                f"its calls' arguments cannot be mapped: {why[0]}; fix the mapping (q=NAME,k=NAME,v=NAME)" if why
+                else "was never called (check the class's module path, and that the command uses it)"))
     if not calls:
         raise BadInput("the command ran but made no attention call attn-doctor wraps (TE DotProductAttention, "
-                       "torch scaled_dot_product_attention, flash-attn), or it is not a Python program")
+                       "torch scaled_dot_product_attention, flash-attn, Megatron-Core's DotProductAttention; "
+                       "name another with --module PKG.Class), or it is not a Python program")
     click.echo(summary)
     click.echo(f"replay:  attn-doctor replay {out}")
     return EXIT_OK

@@ -16,9 +16,18 @@ dV (when the backward recorded them):
 By the triangle inequality d ≤ e_A + e_in + e_B (up to the norms' ratio): the observed difference is always the
 inputs' difference carried by exact attention plus each kernel's own error. A difference that grows with depth
 while every e_A, e_B stays at rounding level is rounding amplified upstream, not a fault ("same within
-rounding"). A run whose own kernel error is far above the other run's on the same call (more than FACTOR
-times, and above the dtype's rounding floor) is the one far from float64: the first layer where that happens
-is where the runs diverge, and its shards name the rank. Two runs of one model and seed agree on the first
+rounding"). A run whose own kernel error is far above what a correct kernel gets on the same call (more than
+FACTOR times the other run's error, the dtype's rounding floor, and what a flash-style backward makes on
+that run's inputs) is the one far from float64: the first layer where that happens is where the runs
+diverge, and its shards name the rank.
+
+Why the flash-style part: an unfused backward (Megatron's local) takes the softmax backward's D from the
+probabilities it differentiates, a flash-style one (TE's fused and flash paths, PyTorch's SDPA kernels) from
+the output it returned, rounded; where keys share a large common direction, as deep layers' keys do, that
+alone makes the flash-style dQ several times less accurate (`attn_doctor.numerics.rounded_output`). On the
+H200, TE's dQ on a Megatron GPT's 4th layer was 5.6x local's error from float64, as were PyTorch's flash,
+efficient and cuDNN kernels on the same inputs (reports/h200/megatron/run-1): a ratio to the other run alone
+called every correct flash-style kernel there a fault. Two runs of one model and seed agree on the first
 layer's inputs up to the rounding of what came before it; when exact attention on each run's inputs is already
 far apart there (`Comparison.inputs_at_start`), the runs do not compute the same thing, whatever depth does.
 """
@@ -35,12 +44,13 @@ import torch
 from attn_doctor.core import layouts
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
-from attn_doctor.numerics.masks import valid_tokens
+from attn_doctor.numerics.masks import Semantics, valid_tokens
 from attn_doctor.tracing.replay_case import case_of, native_format
 from attn_doctor.tracing.replay_source import CAPTURED_SOURCE, as_bshd, captured_packing, with_heads
 from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
 
 TENSORS = ("out", "dq", "dk", "dv")
+INPUTS = ("q", "k", "v")
 FACTOR = 3.0  # a kernel error this many times the other run's (and above the floor) is a fault
 FLOOR_EPS = 0.5  # the rounding floor of a kernel error, in units of the dtype's machine epsilon
 SIDES = {"q": "q", "k": "kv", "v": "kv", "out": "q", "dout": "q", "dq": "q", "dk": "kv", "dv": "kv"}  # whose tokens
@@ -56,13 +66,27 @@ class Measured:
     e: tuple[float, float]  # (run A, run B)
     shard_e: tuple[list[tuple[str, float]], list[tuple[str, float]]]  # per run: (rank, error) per shard
     floor: float
+    # Per run, the error a flash-style backward makes on that run's inputs by taking D from the output it returned
+    # (`attn_doctor.numerics.rounded_output`; 0 for out and dV, which do not use D).
+    flash_e: tuple[float, float] = (0.0, 0.0)
+
+    def allowed(self, run: int) -> float:
+        """The largest error of run `run`'s kernel that is not a fault: FACTOR times what a correct kernel gets on
+        its inputs (the other run's error, a flash-style backward's own, the dtype's rounding floor)."""
+        return FACTOR * max(self.e[1 - run], self.flash_e[run], self.floor)
 
     def far(self, error: float, run: int) -> bool:
         """Whether an error of run `run`'s kernel (the whole tensor's or one shard's) is far from float64 where
-        the other run's is not: NaN/Inf where the other has none, or above FACTOR times the other's error (and
-        the rounding floor)."""
+        the other run's is not: NaN/Inf where the other has none, or above what is `allowed`."""
         other = self.e[1 - run]
-        return (not math.isfinite(error) and math.isfinite(other)) or error > FACTOR * max(other, self.floor)
+        return (not math.isfinite(error) and math.isfinite(other)) or error > self.allowed(run)
+
+    @property
+    def flash_run(self) -> int | None:
+        """0 or 1 when that run's error is more than FACTOR times the other's (and the floor) but within what a
+        flash-style backward makes on its inputs: correct, and worth saying why."""
+        return next((run for run in (0, 1) if FACTOR * max(self.e[1 - run], self.floor) < self.e[run]
+                     and not self.far(self.e[run], run)), None)
 
     @property
     def faulty_run(self) -> int | None:
@@ -78,6 +102,21 @@ class LayerComparison:
     measured: list[Measured] = field(default_factory=list)
     rank_apis: tuple[dict[int, str], dict[int, str]] = ({}, {})  # per run, the API each rank called
     skipped: str = ""
+    inputs_apart: dict[str, float] = field(default_factory=dict)  # q, k, v: how far the runs' are apart
+    eps: float = 0.0  # the inputs' machine epsilon (the coarser run's)
+    layer_numbers: tuple[int | None, int | None] = (None, None)  # per run, the layer number its framework gave
+
+    @property
+    def inputs_distance(self) -> float:
+        """How far apart the runs' q, k, v are (the farthest of the three)."""
+        return max(self.inputs_apart.values(), default=0.0)
+
+    @property
+    def name(self) -> str:
+        """The layer as a sentence names it: its place, and the layer number the framework gave it."""
+        numbers = {n for n in self.layer_numbers if n is not None}
+        given = f" (layer_number {numbers.pop()})" if len(numbers) == 1 else ""
+        return f"layer {self.layer}{given}"
 
 
 @dataclass
@@ -126,10 +165,63 @@ class Comparison:
         run = m.faulty_run
         ranks = [rank for rank, e in m.shard_e[run] if m.far(e, run)]
         api = layer.rank_apis[run].get(int(ranks[0].split()[0]), layer.apis[run]) if ranks else layer.apis[run]
-        return (f"differs from layer {layer.layer} (step {layer.step}) on: {api}, {m.tensor} "
+        return (f"differs from {layer.name} (step {layer.step}) on: {api}, {m.tensor} "
                 f"(runs {m.d:.2g} apart); {self.labels[run]} is the one far from float64 "
                 f"(its error {m.e[run]:.2g} against {m.e[1 - run]:.2g}) on rank{'s' * (len(ranks) > 1)} "
                 f"{', '.join(map(str, ranks))}")
+
+    def account(self) -> list[str]:
+        """The answer's three questions, in words: did the runs' attention get the same q, k, v (if not, from
+        which layer on do they differ, and by how much: the difference is upstream of attention); is each run's
+        attention right on its own inputs (float64); and, when it is, is the difference between the runs what
+        their inputs' difference explains."""
+        compared = [layer for layer in self.layers if layer.measured]
+        if not compared:
+            return []
+        first = next((layer for layer in compared if layer.inputs_distance > 0), None)
+        if first is None:
+            inputs = f"q, k, v: bitwise the same in both runs at all {len(compared)} compared layer calls"
+        else:
+            widest = max(compared, key=lambda layer: layer.inputs_distance)
+            parts = ", ".join(f"{n} {first.inputs_apart[n]:.2g}" for n in INPUTS if n in first.inputs_apart)
+            before = compared.index(first)
+            since = (f"bitwise the same up to {compared[before - 1].name}, apart from {first.name} on" if before
+                     else f"apart from the first compared call ({first.name}) on")
+            growth = (f"; the most {widest.inputs_distance:.2g} apart at {widest.name}" if widest is not first else "")
+            found = self.first_fault()
+            if self.inputs_at_start() is not None:
+                why = ("beyond what rounding explains already at the first compared call: the runs differ upstream "
+                       "of attention")
+            elif found is not None and compared.index(found[0]) < before:
+                why = (f"what {self.labels[found[1].faulty_run]}'s wrong attention at {found[0].name} passed on to "
+                       "the layers after it")
+            else:
+                why = "the rounding of what comes before attention, carried through the layers"
+            inputs = (f"q, k, v: {since} ({parts}, {first.inputs_distance / first.eps:.0f} eps){growth}: {why}")
+        found = self.first_fault()
+        errors = [e for layer in compared for m in layer.measured for e in m.e]
+        if found is None:
+            kernels = (f"attention on its own inputs: right in both runs (float64 errors at most "
+                       f"{max(errors):.2g}, as a correct kernel rounds)")
+            flash = [(layer, m) for layer in compared for m in layer.measured if m.flash_run is not None]
+            if flash:
+                layer, m = max(flash, key=lambda found: found[1].e[found[1].flash_run])
+                run = m.flash_run
+                kernels += (f"; {self.labels[run]}'s {m.tensor} is up to {m.e[run] / m.e[1 - run]:.1f}x the other's "
+                            f"({m.e[run]:.2g} at {layer.name}), which a flash-style backward makes on these inputs: "
+                            f"its D, taken from the output it returned, alone moves {m.tensor} by {m.flash_e[run]:.2g}")
+            worst = max(((m.d, layer, m) for layer in compared for m in layer.measured), key=lambda x: x[0])
+            d, layer, m = worst
+            largest = max(range(2), key=lambda run: m.e[run])
+            mostly = ("their inputs' difference" if m.e_in >= m.e[largest] else
+                      f"{self.labels[largest]}'s kernel rounding")
+            explained = (f"the runs' difference: what their inputs' difference and each kernel's rounding explain, "
+                         f"mostly {mostly} ({m.tensor} {d:.2g} apart at {layer.name}; exact attention on each run's "
+                         f"inputs {m.e_in:.2g} apart, the kernels {m.e[0]:.2g} and {m.e[1]:.2g} from float64)")
+            return [inputs, kernels, explained]
+        layer, m = found
+        return [inputs, f"attention on its own inputs: {self.labels[m.faulty_run]} is wrong from {layer.name} on "
+                        f"({m.tensor} {m.e[m.faulty_run]:.2g} from float64, the other run {m.e[1 - m.faulty_run]:.2g})"]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -145,22 +237,40 @@ class _Run:
     exact: dict[str, torch.Tensor]
     shard_e: dict[str, list[tuple[str, float]]]
     eps: float
+    inputs: dict[str, torch.Tensor]  # the q, k, v the run's attention got
 
 
 def _shard_tensors(call: CapturedCall, root: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
-    """A TP shard's tensors and its float64 replay (heads are independent, so a shard is a whole attention)."""
+    """A TP shard's tensors and its float64 replay (heads are independent, so a shard is a whole attention),
+    with what a flash-style backward's D moves dQ and dK by (`_exact`)."""
     from attn_doctor.numerics.inputs import make_semantics
-    from attn_doctor.numerics.reference import attention_reference
 
     case = case_of(call, root)
     if isinstance(case, str):
         raise ValueError(case)
     raw = _raw(call, case)
-    got = {name: raw[name] for name in TENSORS if name in raw}
-    reference = attention_reference(raw["q"], raw["k"], raw["v"], raw["dout"], softmax_scale=case.softmax_scale,
-                                    semantics=make_semantics(case, raw["q"].device, CAPTURED_SOURCE), with_terms=False)
-    exact = {name: getattr(reference, name) for name in got}
+    got = {name: raw[name] for name in (*INPUTS, *TENSORS) if name in raw}
+    exact = _exact(raw, case.softmax_scale, make_semantics(case, raw["q"].device, CAPTURED_SOURCE),
+                   [name for name in TENSORS if name in got])
     return got, exact, torch.finfo(raw["q"].dtype).eps
+
+
+def _exact(raw: dict[str, torch.Tensor], softmax_scale: float, semantics: Semantics,
+           names: list[str]) -> dict[str, torch.Tensor]:
+    """Float64 attention on a run's own inputs: `names` of out, dq, dk, dv, and as `flash.dq`, `flash.dk` how
+    far a flash-style backward's D, taken from the output the run returned, moves them
+    (`attn_doctor.numerics.rounded_output`): what a correct kernel of that kind gets on top of the rest."""
+    from attn_doctor.numerics.reference import attention_reference
+    from attn_doctor.numerics.rounded_output import output_rounding_gradients
+
+    reference = attention_reference(raw["q"], raw["k"], raw["v"], raw["dout"], softmax_scale=softmax_scale,
+                                    semantics=semantics, with_terms=False)
+    exact = {name: getattr(reference, name) for name in names}
+    if "dq" in names or "dk" in names:
+        moved = output_rounding_gradients(raw["q"], raw["k"], raw["dout"], reference.out, raw["out"],
+                                          softmax_scale=softmax_scale, semantics=semantics)
+        exact.update({f"flash.{name}": moved[name] for name in ("dq", "dk") if name in names})
+    return exact
 
 
 def _parallel(call: CapturedCall, name: str, default: int = 0) -> int:
@@ -271,7 +381,6 @@ def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
     dK and dV are then each rank's share, summed. The float64 replay runs on the whole sequence: a CP rank's
     call alone is not a whole attention."""
     from attn_doctor.numerics.masks import Semantics
-    from attn_doctor.numerics.reference import attention_reference
 
     ranks = sorted({_parallel(c, "cp_rank") for c in calls})
     if ranks != list(range(cp)):
@@ -318,11 +427,9 @@ def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
     if "mask" in per_rank[0][1]:  # each rank's rows of the explicit mask, in sequence order
         mask = _load_balanced([j["mask"].expand(-1, -1, local, -1) for _, j in per_rank], dim=2)
         semantics.allowed = mask.expand(whole_case.batch, 1, seq, seq_kv)
-    reference = attention_reference(whole["q"], whole["k"], whole["v"], whole["dout"],
-                                    softmax_scale=whole_case.softmax_scale, semantics=semantics, with_terms=False)
     names = [n for n in TENSORS if n in whole]
     got = {n: whole[n] for n in names}
-    exact = {n: getattr(reference, n) for n in names}
+    exact = _exact(whole, whole_case.softmax_scale, semantics, names)
     firsts = [shards[0] for shards, _ in per_rank]
     labels = [_shard_label(first, firsts, "cp_rank") for first in firsts]
     owned = {rank: _cp_rank_tokens(packed_case, (seq, seq_kv), cp, rank,
@@ -335,7 +442,8 @@ def _cp_run_of(calls: list[CapturedCall], root: Path, cp: int) -> _Run:
         mine = {rank: owned[rank][SIDES[n]].expand(got[n].shape[:2]) for rank in ranks}
         shard_e[n] = [(label, _relative(got[n][mine[rank]], exact[n][mine[rank]]))
                       for label, rank in zip(labels, ranks)]
-    return _Run(calls[0].meta["api"], got, exact, shard_e, torch.finfo(whole["q"].dtype).eps)
+    return _Run(calls[0].meta["api"], got, exact, shard_e, torch.finfo(whole["q"].dtype).eps,
+                {n: whole[n] for n in INPUTS})
 
 
 def _cp_rank_tokens(packed_case: Case | None, seqs: tuple[int, int], cp: int, cp_rank: int,
@@ -363,10 +471,17 @@ def _run_of(calls: list[CapturedCall], root: Path) -> _Run:
     shards = [_shard_tensors(c, root) for c in calls]
     names = [n for n in TENSORS if all(n in got for got, _, _ in shards)]
     got = {n: torch.cat([g[n] for g, _, _ in shards], dim=2) for n in names}  # heads: bshd dim 2
-    exact = {n: torch.cat([x[n] for _, x, _ in shards], dim=2) for n in names}
+    exact = {n: torch.cat([x[n] for _, x, _ in shards], dim=2) for n in shards[0][1]}  # flash.* too
     shard_e = {n: [(_shard_label(c, calls), _relative(g[n], x[n])) for c, (g, x, _) in zip(calls, shards)]
                for n in names}
-    return _Run(calls[0].meta["api"], got, exact, shard_e, shards[0][2])
+    inputs = {n: torch.cat([g[n] for g, _, _ in shards], dim=2) for n in INPUTS}
+    return _Run(calls[0].meta["api"], got, exact, shard_e, shards[0][2], inputs)
+
+
+def _flash_e(run: _Run, name: str) -> float:
+    """The part of a run's `name` error a flash-style backward makes on its inputs, relative like its error."""
+    moved = run.exact.get(f"flash.{name}")
+    return 0.0 if moved is None else float(moved.norm() / run.exact[name].norm().clamp_min(1e-300))
 
 
 def _shard_label(call: CapturedCall, calls: list[CapturedCall], within: str = "tp_rank") -> str:
@@ -374,6 +489,12 @@ def _shard_label(call: CapturedCall, calls: list[CapturedCall], within: str = "t
     if sum(c.rank == call.rank for c in calls) == 1:
         return str(call.rank)
     return f"{call.rank} ({within} {call.meta.get('parallel', {}).get(within, '?')})"
+
+
+def _layer_number(call: CapturedCall) -> int | None:
+    """The layer number the framework gave the call's module (Megatron's and TE's `layer_number`), if any."""
+    number = call.meta["arguments"].get("module", {}).get("layer_number")
+    return number if isinstance(number, int) else None
 
 
 def _values_by_layer(root: Path) -> dict[tuple[int, int], list[CapturedCall]]:
@@ -401,6 +522,10 @@ def compare_captures(root_a: Path, root_b: Path, labels: tuple[str, str] | None 
             layers.append(entry)
             continue
         entry.rank_apis = tuple({c.rank: c.meta["api"] for c in calls} for calls in (a[step, layer], b[step, layer]))
+        entry.layer_numbers = tuple(_layer_number(calls[0]) for calls in (a[step, layer], b[step, layer]))
+        entry.eps = max(run_a.eps, run_b.eps)
+        entry.inputs_apart = {n: _relative(run_a.inputs[n], run_b.inputs[n]) for n in INPUTS
+                              if run_a.inputs[n].shape == run_b.inputs[n].shape}
         for name in [n for n in TENSORS if n in run_a.got and n in run_b.got]:
             if run_a.got[name].shape != run_b.got[name].shape:
                 entry.skipped = (f"{name} has shape {tuple(run_a.got[name].shape)} in one run and "
@@ -409,6 +534,7 @@ def compare_captures(root_a: Path, root_b: Path, labels: tuple[str, str] | None 
             entry.measured.append(Measured(
                 name, _relative(run_a.got[name], run_b.got[name]), _relative(run_a.exact[name], run_b.exact[name]),
                 (_relative(run_a.got[name], run_a.exact[name]), _relative(run_b.got[name], run_b.exact[name])),
-                (run_a.shard_e[name], run_b.shard_e[name]), FLOOR_EPS * max(run_a.eps, run_b.eps)))
+                (run_a.shard_e[name], run_b.shard_e[name]), FLOOR_EPS * max(run_a.eps, run_b.eps),
+                (_flash_e(run_a, name), _flash_e(run_b, name))))
         layers.append(entry)
     return Comparison(labels or (str(root_a), str(root_b)), layers)

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from attn_doctor.tracing.clients import megatron_config
+
 SMALL_INT_TENSOR = 65_536  # integer tensors up to this many elements (lengths, offsets) keep their values
 
 
@@ -180,7 +182,8 @@ TE_SETTINGS = ("qkv_format", "attn_mask_type", "window_size", "softmax_type", "n
                "num_gqa_groups", "hidden_size_per_attention_head_k", "hidden_size_per_attention_head_v",
                "hidden_size_per_attention_head", "softmax_scale", "attention_type", "tp_size", "deterministic",
                "layer_number", "cp_comm_type", "bottom_right_diagonal")
-TE_READ = TE_SETTINGS + ("attention_dropout", "cp_group")  # the attributes te_module_settings reads
+# the attributes te_module_settings reads; `config`: the TransformerConfig of Megatron's TEDotProductAttention
+TE_READ = TE_SETTINGS + ("attention_dropout", "cp_group", "config")
 
 
 TE_DPA = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
@@ -215,6 +218,9 @@ def te_module_settings(module: Any, recipe: Any) -> dict[str, Any]:
     group = attributes.get("cp_group")
     with contextlib.suppress(Exception):
         settings["cp_size"] = torch.distributed.get_world_size(group) if group is not None else 1
+    megatron = megatron_config(module)  # Megatron's TE spec: its settings (the call is TE's, recorded once)
+    if megatron is not None:
+        settings["megatron"] = megatron
     if recipe is not None:
         settings["fp8_recipe"] = {
             "type": type(recipe).__name__, "fp8_dpa": bool(getattr(recipe, "fp8_dpa", False)),

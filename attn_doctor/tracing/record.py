@@ -2,8 +2,10 @@
 `with attn_doctor.capture(DIR): ...`.
 
 What is wrapped, for as long as the capture runs: `torch.nn.functional.scaled_dot_product_attention`, TE's
-`DotProductAttention.forward` and flash-attn's `flash_attn_func` / `flash_attn_varlen_func` (TE and flash-attn
-when imported, before or after the capture starts). Each call is passed through untouched (same arguments, same
+`DotProductAttention.forward`, flash-attn's `flash_attn_func` / `flash_attn_varlen_func`, Megatron-Core's own
+core attention (`DotProductAttention.forward` of `megatron.core.transformer.dot_product_attention`) and the
+forward of every module named with `modules` (`attn_doctor.tracing.clients`): each library when imported,
+before or after the capture starts. Each call is passed through untouched (same arguments, same
 tensors, no copy before the call, no synchronisation), so a capture never changes the numbers of the run it
 observes. Its metadata is written at the call or when the model's forward pass ends (`Recorder._record`), into
 `attn_doctor.tracing.store`'s files, as lines `attn_doctor.tracing.describe` makes (their repeating part once
@@ -51,6 +53,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from attn_doctor.tracing import store
+from attn_doctor.tracing.clients import MEGATRON_API, MEGATRON_LOCAL, ModuleSpec, megatron_settings, parse_module_spec
 from attn_doctor.tracing.describe import CallDescriber, packed_source, selected_views, te_now
 
 DEFAULT_MAX_BYTES = 256 * 2**20
@@ -218,9 +221,11 @@ if hasattr(os, "register_at_fork"):
 class Recorder:
     """One process's capture: wraps the attention functions, tracks the module path, writes each call."""
 
-    def __init__(self, root: Path, selection: Selection | None = None):
+    def __init__(self, root: Path, selection: Selection | None = None, modules: tuple[ModuleSpec, ...] = ()):
         self.root = Path(root)
         self.selection = selection or Selection()
+        self.modules = tuple(modules)
+        self._noted: set[tuple[str, str]] = set()  # (module, why) of the named modules' calls not recorded
         self.calls = 0
         self.value_bytes = 0
         self.seconds = 0.0  # spent in the capture's own code at the calls (not the calls, not the gradient hooks)
@@ -251,7 +256,10 @@ class Recorder:
         import torch.nn.functional as F
 
         self._wrap_attribute(F, "scaled_dot_product_attention", self._sdpa)
-        targets = {"transformer_engine.pytorch": self._patch_te, "flash_attn": self._patch_flash}
+        targets = {"transformer_engine.pytorch": self._patch_te, "flash_attn": self._patch_flash,
+                   MEGATRON_LOCAL: self._patch_megatron}
+        for package in dict.fromkeys(spec.package for spec in self.modules):
+            targets[package] = functools.partial(self._patch_named, package)
         for name, patch in list(targets.items()):
             if name in sys.modules:
                 patch(sys.modules[name])
@@ -300,16 +308,27 @@ class Recorder:
         for name in ("flash_attn_func", "flash_attn_varlen_func"):
             self._wrap_attribute(flash, name, functools.partial(self._generic, f"flash_attn.{name}"))
 
+    def _patch_megatron(self, module: Any) -> None:
+        cls = getattr(module, "DotProductAttention", None)
+        if cls is not None:
+            self._wrap_attribute(cls, "forward", self._megatron_forward)
+
+    def _patch_named(self, package: str, module: Any) -> None:
+        for spec in self.modules:
+            cls = getattr(module, spec.class_name, None) if spec.package == package else None
+            if isinstance(cls, type) and callable(getattr(cls, "forward", None)):
+                self._wrap_attribute(cls, "forward", functools.partial(self._named_forward, spec))
+
     # -- where we are in the model --
 
-    def _where(self, te_module: Any) -> tuple[str, int | None]:
+    def _where(self, called: Any) -> tuple[str, int | None]:
         """The module path of the recorded call (the innermost running module, named from the outermost) and
         its layer. The first outermost module seen is the model: a pre-hook on it alone counts the steps. Once
         the model is known, a module of it is named without walking the whole stack (a fifth of a call's cost
-        on the H200's host): a TE call's module is the DotProductAttention called, a function's the innermost
+        on the H200's host): a wrapped module's call (TE's, Megatron's, a named one) is that module, a function's the innermost
         running module."""
         if self._model_names is not None:
-            inner = te_module if te_module is not None else innermost_module(sys._getframe(_CALLER))
+            inner = called if called is not None else innermost_module(sys._getframe(_CALLER))
             found = self._model_names.get(id(inner))
             if found is not None:
                 return found
@@ -373,6 +392,63 @@ class Recorder:
 
         return forward
 
+    def _megatron_forward(self, original: Callable) -> Callable:
+        """Megatron-Core's local core attention: its q, k, v ([s, b, heads, dim]), mask, and what the module
+        computes with them, read from the module at the call (`clients.megatron_settings`)."""
+        bind = _binder(original)
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            bound = bind((module, *args), kwargs)
+            if bound is None:
+                return original(module, *args, **kwargs)
+            bound.pop(next(iter(bound)), None)  # self
+            if bound.get("attn_mask_type") is not None:  # an enum Megatron ignores here: its name
+                bound["attn_mask_type"] = getattr(bound["attn_mask_type"], "name", str(bound["attn_mask_type"]))
+            try:
+                bound["module"] = megatron_settings(module, bound.get("query"), bound.get("key"),
+                                                    bound.get("attention_mask"))
+            except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+                bound["module"] = {"unreadable": f"{type(exc).__name__}: {exc}"[:200]}
+            return self._call(MEGATRON_API, original, (module, *args), kwargs, bound, ("query", "key", "value"),
+                              module=module)
+
+        return forward
+
+    def _named_forward(self, spec: ModuleSpec, original: Callable) -> Callable:
+        """A module named with `--module`: q, k and v found by its mapping (`ModuleSpec.bind`); a call whose
+        arguments the mapping does not find runs untouched and is noted once, with why."""
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = [p.name for p in inspect.signature(original).parameters.values() if p.kind in kinds][1:]
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            if self._thread.busy:
+                return original(module, *args, **kwargs)
+            try:
+                found = spec.bind(parameters, args, kwargs)
+            except ValueError as exc:
+                self._note(spec.target, str(exc))
+                return original(module, *args, **kwargs)
+            bound = {name: value for name, value in zip(parameters, args)} | kwargs
+            for name, value in found.items():  # q, k, v under their own names, each once
+                bound = {key: other for key, other in bound.items() if other is not value}
+                bound[name] = value
+            bound["module"] = spec.recorded_settings()
+            return self._call(spec.api, original, (module, *args), kwargs, bound, ("q", "k", "v"), module=module)
+
+        return forward
+
+    def _note(self, target: str, why: str) -> None:
+        """Say once, in the capture folder, why a named module's call was not recorded (the CLI reads it)."""
+        if (target, why) in self._noted:
+            return
+        self._noted.add((target, why))
+        try:
+            store.write_note(self.root, self._layout()[0], os.getpid(), {"module": target, "not_recorded": why})
+        except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+            print(f"attn-doctor capture: {target}: {why} ({type(exc).__name__}: {exc})", file=sys.stderr)
+
     def _generic(self, api: str, original: Callable) -> Callable:
         bind = _binder(original)
 
@@ -386,7 +462,7 @@ class Recorder:
         return call
 
     def _call(self, api: str, original: Callable, args: tuple, kwargs: dict, bound: dict,
-              qkv: tuple[str, str, str], te_module: Any = None) -> Any:
+              qkv: tuple[str, str, str], te_module: Any = None, module: Any = None) -> Any:
         if self._thread.busy:
             return original(*args, **kwargs)
         self._thread.busy = True
@@ -396,7 +472,7 @@ class Recorder:
             self._thread.busy = False
         start = time.perf_counter()
         try:
-            self._record(api, bound, qkv, out, te_module)
+            self._record(api, bound, qkv, out, te_module, te_module if module is None else module)
         except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
             print(f"attn-doctor capture: call not recorded ({type(exc).__name__}: {exc})", file=sys.stderr)
         self.seconds += time.perf_counter() - start  # one thread's += can be lost to another's: a measure only
@@ -406,7 +482,8 @@ class Recorder:
 
     DEFERRED = 1024  # calls held at most before they are written, whatever the model's forward pass does
 
-    def _record(self, api: str, bound: dict, qkv: tuple[str, str, str], out: Any, te_module: Any) -> None:
+    def _record(self, api: str, bound: dict, qkv: tuple[str, str, str], out: Any, te_module: Any,
+                module: Any = None) -> None:
         """Records a call: its values now (when selected); its lines now, or at the end of the model's forward
         pass when autograd keeps the call's tensors until the backward anyway (`_kept_for_backward`).
 
@@ -415,7 +492,7 @@ class Recorder:
         the capture's time per TE call by a quarter on the H200's host (63 against 85 us in the same process,
         reports/h200/capture/deferred/). The price: a process killed in the middle of a forward pass loses
         that pass's calls (one that raises keeps them: the hook that writes them runs then too)."""
-        path, layer = self._where(te_module)
+        path, layer = self._where(module)
         with self._lock:
             index = self.calls
             self.calls += 1
@@ -607,13 +684,16 @@ def _write_env(path: Path) -> None:
 
 @contextlib.contextmanager
 def capture(directory: str | os.PathLike, *, values: bool = False, layers=None, steps=None, ranks=None,
-            max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[Recorder]:
+            max_bytes: int = DEFAULT_MAX_BYTES, modules=()) -> Iterator[Recorder]:
     """Record every attention call made inside the `with` block into `directory` (see the module docstring);
-    `values=True` records the tensors of the selected `layers`, `steps` and `ranks` within `max_bytes`."""
+    `values=True` records the tensors of the selected `layers`, `steps` and `ranks` within `max_bytes`;
+    `modules` names attention modules to wrap too, as `capture --module` does ("PKG.Class[:MAPPING]",
+    `attn_doctor.tracing.clients.ModuleSpec`)."""
     selection = Selection(values=values, max_bytes=max_bytes,
                           **{name: frozenset(chosen) if chosen is not None else None
                              for name, chosen in (("layers", layers), ("steps", steps), ("ranks", ranks))})
-    recorder = Recorder(Path(directory), selection).start()
+    specs = tuple(spec if isinstance(spec, ModuleSpec) else parse_module_spec(spec) for spec in modules)
+    recorder = Recorder(Path(directory), selection, specs).start()
     try:
         yield recorder
     finally:
@@ -626,7 +706,8 @@ def start_from_environment() -> Recorder | None:
     if not options:
         return None
     document = json.loads(options)
-    recorder = Recorder(Path(document["out"]), Selection.from_dict(document)).start()
+    specs = tuple(parse_module_spec(text) for text in document.get("modules", ()))
+    recorder = Recorder(Path(document["out"]), Selection.from_dict(document), specs).start()
     import atexit
 
     atexit.register(recorder.stop)

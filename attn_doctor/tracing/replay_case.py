@@ -31,6 +31,7 @@ import torch
 from attn_doctor.core.case import Case, make_case
 from attn_doctor.core.errors import BadInput
 from attn_doctor.numerics.standalone import TORCH_DTYPES
+from attn_doctor.tracing.clients import MEGATRON_API
 from attn_doctor.tracing.store import HEADER, CapturedCall, load_values, read_capture
 
 # attn-doctor's dtype names by torch's, as a capture records them: "bfloat16" -> "bf16".
@@ -76,11 +77,16 @@ def load_call(reference: str) -> CapturedCall:
 
 def native_format(call: CapturedCall) -> str:
     """The layout of the call's q, k, v: SDPA's [b, h, s, d] (`bhsd`), flash-attn's bshd (its varlen function's
-    thd), TE's qkv_format."""
-    if call.meta["api"] == "torch.sdpa":
+    thd), Megatron's sbhd, a named module's own (`--module ...:layout=`), TE's qkv_format."""
+    api = call.meta["api"]
+    if api == "torch.sdpa":
         return "bhsd"
-    if call.meta["api"].startswith("flash_attn."):
-        return "thd" if call.meta["api"].endswith("varlen_func") else "bshd"
+    if api.startswith("flash_attn."):
+        return "thd" if api.endswith("varlen_func") else "bshd"
+    if api == MEGATRON_API:
+        return "sbhd"
+    if api.startswith("module:"):
+        return call.meta["arguments"].get("module", {}).get("layout") or "bshd"
     return _te_setting(call, "qkv_format") or "sbhd"
 
 
@@ -129,6 +135,10 @@ def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
         reason = _flash_fields(call, shapes, fields)
     elif api == "te.DotProductAttention":
         reason = _te_fields(call, shapes, fields)
+    elif api == MEGATRON_API:
+        reason = _megatron_fields(call, shapes, fields)
+    elif api.startswith("module:"):
+        reason = _module_fields(call, shapes, fields)
     else:
         reason = f"{api} (not replayed yet)"
     if reason is not None:
@@ -239,6 +249,73 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
             return lengths
         lengths_q, lengths_kv = lengths
         fields.update(seqlens=lengths_q, **({"seqlens_kv": lengths_kv} if lengths_kv != lengths_q else {}))
+    return None
+
+
+def _dims(shapes: dict, fmt: str) -> dict[str, int]:
+    """The case's sizes from q, k, v's shapes in a padded format (bshd, sbhd or bhsd)."""
+    q, k = (dict(zip(fmt, shapes[name])) for name in ("q", "k"))
+    return dict(batch=q["b"], seq=q["s"], seq_kv=k["s"], heads=q["h"], kv_heads=k["h"], head_dim=q["d"],
+                head_dim_v=shapes["v"][fmt.index("d")])
+
+
+def _megatron_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
+    """Megatron-Core's local core attention, as its settings at the call say it computes
+    (`attn_doctor.tracing.clients`): sbhd tensors; its scale times its softmax's; its own sliding window, or
+    the causal mask (the fused kernel's, or the type's when no mask is passed), or the mask passed (True =
+    masked out). Megatron fills masked scores with -10000, which is the others' -inf wherever a row sees a key;
+    a row that sees none it averages where every other path gives 0, so such a call is not replayed."""
+    args, module = call.meta["arguments"], call.meta["arguments"].get("module", {})
+    if "unreadable" in module:
+        return f"Megatron's settings could not be read at the call ({module['unreadable']})"
+    if module.get("attention_dropout"):
+        return f"dropout {module['attention_dropout']} (attn-doctor compares deterministic calls)"
+    for name in ("attention_bias", "packed_seq_params"):
+        if args.get(name) is not None:
+            return f"Megatron's {name} (its local attention refuses it too)"
+    softmax = module.get("softmax_type") or "vanilla"
+    if softmax == "learnable":
+        return "learnable softmax offsets (their values are the model's parameters, not captured)"
+    fields.update(_dims(shapes, "sbhd"), qkv_format="sbhd", softmax=softmax,
+                  scale=module["softmax_scale"] * (module.get("softmax_coeff") or 1))
+    window = module.get("window_size")
+    if window is not None:  # Megatron's bottom-right sliding window replaces the mask
+        left, right = window
+        causal = "causal" if fields["seq"] == fields["seq_kv"] else "causal_bottom_right"
+        fields.update(mask=causal if right == 0 else "no_mask", window=(left, right))
+        return None
+    causal_type = module.get("attn_mask_type") == "causal"
+    if causal_type and (module.get("fused_softmax") or args.get("attention_mask") is None):
+        fields["mask"] = "causal"  # the fused causal kernel ignores the mask passed
+        return None
+    if args.get("attention_mask") is None:
+        fields["mask"] = "no_mask"
+        return None
+    allowed = te_arbitrary_mask(call)  # the same convention as TE's: True = masked out
+    if isinstance(allowed, str):
+        return allowed.replace("an arbitrary attention_mask", "a Megatron attention_mask")
+    rows = allowed.reshape([1] * (4 - allowed.dim()) + list(allowed.shape)).expand(
+        fields["batch"], 1, fields["seq"], fields["seq_kv"])
+    if not bool(rows.any(-1).all()):
+        return ("rows that see no key (Megatron's -10000 fill averages them where every other path gives 0: "
+                "not one computation)")
+    top_left = torch.ones(fields["seq"], fields["seq_kv"], dtype=torch.bool).tril()
+    if torch.equal(rows, top_left.expand_as(rows)):
+        fields["mask"] = "causal"
+    else:
+        fields.update(mask="arbitrary", mask_source="captured")
+    return None
+
+
+def _module_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
+    """A module named with `--module`: softmax(scale q k^T + a top-left causal mask when `causal`) v, in its
+    layout (`attn_doctor.tracing.clients.ModuleSpec`); its other arguments are recorded, not replayed."""
+    settings = call.meta["arguments"].get("module", {})
+    layout = settings.get("layout") or "bshd"
+    if any(len(shapes[name]) != 4 for name in "qkv"):
+        return "q, k and v are not all 4-dimensional (the heads apart)"
+    fields.update(_dims(shapes, layout), qkv_format="sbhd" if layout == "sbhd" else "bshd",
+                  mask="causal" if settings.get("causal") else "no_mask", scale=settings.get("softmax_scale"))
     return None
 
 

@@ -20,6 +20,7 @@ from attn_doctor.numerics import views
 from attn_doctor.numerics.source import SEEDED, Slots, Source
 from attn_doctor.numerics.standalone import TORCH_DTYPES
 from attn_doctor.numerics.views import QKV
+from attn_doctor.tracing.clients import MEGATRON_API
 from attn_doctor.tracing.replay_case import (
     captured_tensor,
     lengths_of,
@@ -51,7 +52,7 @@ def captured_mask(case: Case, device: torch.device) -> torch.Tensor:
     """The call's explicit mask as attn-doctor's allowed pairs [b, 1, s, s_kv] (True = attend): SDPA's boolean
     attn_mask, the finite entries of its float one, or the complement of TE's arbitrary attention_mask."""
     call = load_call(case.replay)
-    if call.meta["api"] == "te.DotProductAttention":
+    if call.meta["api"] in ("te.DotProductAttention", MEGATRON_API):  # True = masked out
         allowed = te_arbitrary_mask(call)
     else:
         allowed = sdpa_visible(captured_tensor(call, "attn_mask"))

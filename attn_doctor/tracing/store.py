@@ -8,6 +8,8 @@
     DIR/rank<R>/<PID>-call-<NNNNNN>.safetensors        its q, k, v, out (and masks) values, when selected
     DIR/rank<R>/<PID>-call-<NNNNNN>.dout.safetensors   its output gradient, once the backward reached it
     DIR/rank<R>/<PID>-call-<NNNNNN>.d{q,k,v}.safetensors  its input gradients, likewise
+    DIR/rank<R>/notes-<PID>.jsonl             calls of a module named with --module that could not be
+                                              recorded, and why (once per module and reason)
 
 Each call is written whole or not at all: its values first (a temp file, then a rename), then its signature's
 line when the signature is new (`attn_doctor.tracing.describe`), then its own line, stored into a memory map of
@@ -21,6 +23,7 @@ loading someone else's capture never runs code (no pickle).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -103,6 +106,25 @@ class CallLog:
             self._map.close()
             os.ftruncate(self._fd, self._end)
         os.close(self._fd)
+
+
+def write_note(root: Path, rank: int, pid: int, note: dict[str, Any]) -> None:
+    """Append a note (a JSON object on one line) to the process's notes file: what the capture could not
+    record. Rare, so a plain append."""
+    path = rank_dir(root, rank) / f"notes-{pid}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as notes:
+        notes.write(json.dumps(note, sort_keys=True) + "\n")
+
+
+def read_notes(root: Path) -> list[dict[str, Any]]:
+    """Every note of a capture folder (a line cut off mid-write is left out)."""
+    notes = []
+    for path in sorted(Path(root).glob("rank*/notes-*.jsonl")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                notes.append(json.loads(line))
+    return notes
 
 
 def save_values(path: Path, tensors: dict[str, torch.Tensor]) -> int:
