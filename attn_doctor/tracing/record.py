@@ -379,22 +379,18 @@ class Recorder:
         return sdpa
 
     def _te_forward(self, original: Callable) -> Callable:
-        bind = _binder(original)
-
-        @functools.wraps(original)
-        def forward(module, *args, **kwargs):
-            bound = bind((module, *args), kwargs)
-            if bound is None:
-                return original(module, *args, **kwargs)
-            bound.pop(next(iter(bound)), None)  # self
-            return self._call("te.DotProductAttention", original, (module, *args), kwargs, bound,
-                              ("query_layer", "key_layer", "value_layer"), te_module=module)
-
-        return forward
+        return self._module_forward("te.DotProductAttention", original, ("query_layer", "key_layer", "value_layer"),
+                                    te=True)
 
     def _megatron_forward(self, original: Callable) -> Callable:
         """Megatron-Core's local core attention: its q, k, v ([s, b, heads, dim]), mask, and what the module
-        computes with them, read from the module at the call (`clients.megatron_settings`)."""
+        computes with them, read from the module at the call (`_megatron_arguments`)."""
+        return self._module_forward(MEGATRON_API, original, ("query", "key", "value"), _megatron_arguments)
+
+    def _module_forward(self, api: str, original: Callable, qkv: tuple[str, str, str],
+                        describe: Callable[[Any, dict], None] | None = None, te: bool = False) -> Callable:
+        """A module's forward, recorded as `api`: its arguments bound by name (self left out), and what
+        `describe(module, bound)` adds to them."""
         bind = _binder(original)
 
         @functools.wraps(original)
@@ -403,14 +399,9 @@ class Recorder:
             if bound is None:
                 return original(module, *args, **kwargs)
             bound.pop(next(iter(bound)), None)  # self
-            if bound.get("attn_mask_type") is not None:  # an enum Megatron ignores here: its name
-                bound["attn_mask_type"] = getattr(bound["attn_mask_type"], "name", str(bound["attn_mask_type"]))
-            try:
-                bound["module"] = megatron_settings(module, bound.get("query"), bound.get("key"),
-                                                    bound.get("attention_mask"))
-            except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
-                bound["module"] = {"unreadable": f"{type(exc).__name__}: {exc}"[:200]}
-            return self._call(MEGATRON_API, original, (module, *args), kwargs, bound, ("query", "key", "value"),
+            if describe is not None:
+                describe(module, bound)
+            return self._call(api, original, (module, *args), kwargs, bound, qkv, te_module=module if te else None,
                               module=module)
 
         return forward
@@ -680,6 +671,17 @@ def _write_env(path: Path) -> None:
         store.write_json(path, collect_env(read_te=False).to_dict())
     except Exception as exc:  # noqa: BLE001 - the fingerprint never stops a capture
         store.write_json(path, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _megatron_arguments(module: Any, bound: dict) -> None:
+    """A Megatron local attention call's arguments as recorded: its mask type (an enum the module ignores) by
+    name, and under `module` what the module computes (`clients.megatron_settings`)."""
+    if bound.get("attn_mask_type") is not None:
+        bound["attn_mask_type"] = getattr(bound["attn_mask_type"], "name", str(bound["attn_mask_type"]))
+    try:
+        bound["module"] = megatron_settings(module, bound.get("query"), bound.get("key"), bound.get("attention_mask"))
+    except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+        bound["module"] = {"unreadable": f"{type(exc).__name__}: {exc}"[:200]}
 
 
 @contextlib.contextmanager
