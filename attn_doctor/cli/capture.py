@@ -51,7 +51,7 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
     in every Python process it starts (torchrun too). Metadata always (shapes, strides, storage offsets, masks,
     lengths, TE's chosen backend, rank, layer); values only with --values, for the selected calls. Never
     captured: weights, data, other activations."""
-    from attn_doctor.tracing.clients import parse_module_spec
+    from attn_doctor.tracing.clients import parse_module_spec, unrecorded_module
 
     specs = [parse_module_spec(text) for text in modules]
     if command and command[0] == "--":
@@ -100,12 +100,9 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
     if code != 0:
         click.echo(f"the command exited with {code}" + (f"; {summary}" if summary else ""), err=True)
         return EXIT_FAULT
-    for spec in specs:
-        if not any(c.meta["api"] == spec.api for c in calls):
-            why = [note["not_recorded"] for note in read_notes(out) if note.get("module") == spec.target]
-            raise BadInput(f"--module {spec.target}: " + (
-                f"its calls' arguments cannot be mapped: {why[0]}; fix the mapping (q=NAME,k=NAME,v=NAME)" if why
-                else "was never called (check the class's module path, and that the command uses it)"))
+    missing = unrecorded_module(specs, {c.meta["api"] for c in calls}, read_notes(out)) if specs else None
+    if missing is not None:
+        raise BadInput(missing)
     if not calls:
         raise BadInput("the command ran but made no attention call attn-doctor wraps (TE DotProductAttention, "
                        "torch scaled_dot_product_attention, flash-attn, Megatron-Core's DotProductAttention; "

@@ -190,3 +190,18 @@ def parse_module_spec(text: str) -> ModuleSpec:
         else:
             raise BadInput(f"--module {text!r}: unknown key {key!r} (q, k, v, layout, causal, scale)")
     return ModuleSpec(target, (names["q"], names["k"], names["v"]), **fields)
+
+
+def unrecorded_module(specs: list[ModuleSpec], apis: set[str], notes: list[dict[str, Any]]) -> str | None:
+    """Why the first named module whose calls a capture holds none of (`apis`: the APIs it recorded) was not
+    recorded: its calls' arguments could not be mapped (the capture's notes say how), or it was never called;
+    None when every named module was recorded."""
+    for spec in specs:
+        if spec.api in apis:
+            continue
+        why = [note["not_recorded"] for note in notes if note.get("module") == spec.target]
+        if why:
+            return (f"--module {spec.target}: its calls' arguments cannot be mapped: {why[0]}; fix the mapping "
+                    "(q=NAME,k=NAME,v=NAME)")
+        return f"--module {spec.target}: was never called (check the class's module path, and that the command uses it)"
+    return None

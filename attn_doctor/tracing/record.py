@@ -325,8 +325,8 @@ class Recorder:
         """The module path of the recorded call (the innermost running module, named from the outermost) and
         its layer. The first outermost module seen is the model: a pre-hook on it alone counts the steps. Once
         the model is known, a module of it is named without walking the whole stack (a fifth of a call's cost
-        on the H200's host): a wrapped module's call (TE's, Megatron's, a named one) is that module, a function's the innermost
-        running module."""
+        on the H200's host): a wrapped module's call (TE's, Megatron's, a named one) is that module, a
+        function's the innermost running module."""
         if self._model_names is not None:
             inner = called if called is not None else innermost_module(sys._getframe(_CALLER))
             found = self._model_names.get(id(inner))

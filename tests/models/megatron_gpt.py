@@ -139,7 +139,8 @@ def main() -> None:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.query_groups, tensor_model_parallel_size=args.tp, use_cpu_initialization=cpu,
-        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=args.qk_layer_scaling, attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
+        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=args.qk_layer_scaling, attention_dropout=0.0,
+        hidden_dropout=0.0, params_dtype=dtype,
         bf16=args.dtype == "bf16", fp16=args.dtype == "fp16", masked_softmax_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False)
