@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
-from attn_doctor.cli.options import backend_options, build_case, case_options
+from attn_doctor.cli.options import INDEX, REPEATS, SIZE, backend_options, build_case, case_options
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
 from attn_doctor.core.probe_kinds import rules_for
@@ -18,14 +18,14 @@ from attn_doctor.core.probe_kinds import rules_for
 @click.command()
 @case_options
 @backend_options
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--tp", type=SIZE, default=1, show_default=True,
               help="Start from TP shards of this degree.")
-@click.option("--layers", type=click.IntRange(min=0), default=0, help="Start from an L-layer stack (0: one attention call).")
+@click.option("--layers", type=INDEX, default=0, help="Start from an L-layer stack (0: one attention call).")
 @click.option("--from", "from_results", type=click.Path(path_type=Path),
               help="Start from a failing row of a results file or sweep directory instead of the flags.")
-@click.option("--row", "row_index", type=int, default=0, show_default=True,
+@click.option("--row", "row_index", type=INDEX, default=0, show_default=True,
               help="With --from: which failing row (0 = the first).")
-@click.option("--repeats", type=int, default=1, show_default=True,
+@click.option("--repeats", type=REPEATS, default=1, show_default=True,
               help="Run each probe N times; any failing run counts (guards against nondeterministic kernels).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the bisect document ({start_case, minimal_case, necessary, probes, repro, ...}) here.")

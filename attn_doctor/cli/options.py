@@ -6,6 +6,7 @@ without loading torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,96 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import LAYOUT_ALIASES, LAYOUTS
 from attn_doctor.core.probe_kinds import layout_choices
 
-POSITIVE_SECONDS = click.FloatRange(min=0, min_open=True)
+MAX_COUNT = 2**31 - 1  # sizes, lengths, degrees, depths and indices: what a CUDA kernel's int32 index holds
+MAX_SEED = 2**63 - 1  # torch seeds take 0 .. 2**64-1; the tool adds small offsets to a seed (side inputs, stacks)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week: deadlines stay far inside what time arithmetic and locks accept
+MAX_REPEATS = 1000  # x --timeout stays within a lock's longest wait
+MAX_WORKERS = 256
+MAX_SCALE = 1000.0  # --softmax-scale: far past any model's (1/sqrt(head dim) and its layer scalings)
+
+
+class Number(click.ParamType):
+    """A whole or real number within [low, high], finite, as click parses an option's value. A value out of
+    range is refused (BadInput: exit 2, one line naming the option and saying what it takes) before any work
+    starts; `values` checks the items of a comma list the same way."""
+
+    def __init__(self, kind: type, low: float | None, high: float | None, noun: str, bounds: str,
+                 low_open: bool = False):
+        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+        self.noun, self.bounds = noun, bounds  # "whole number", "from 1 to 2147483647"
+        self.name = "integer" if kind is int else "float"
+
+    def parse(self, raw: Any, option: str) -> tuple[int | float | None, str]:
+        """`raw` (text, or a default) as a number in range, or None and what is wrong with it ("" when it is no
+        finite number at all)."""
+        number: int | float | None = None
+        if self.kind is int and isinstance(raw, int) and not isinstance(raw, bool):
+            number = raw
+        elif self.kind is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            number = float(raw)
+        elif isinstance(raw, str):
+            try:
+                number = self.kind(raw.strip())
+            except (ValueError, OverflowError):
+                number = None
+        if number is None or (self.kind is float and not math.isfinite(number)):
+            return None, ""
+        field = option.lstrip("-").replace("-", "_")  # as the case's own checks name it (--head-dim: head_dim)
+        if self.low is not None and (number <= self.low if self.low_open else number < self.low):
+            return None, f"{field} must be {'above' if self.low_open else 'at least'} {_number(self.low)}"
+        if self.high is not None and number > self.high:
+            return None, f"{field} must be at most {_number(self.high)}"
+        return number, ""
+
+    def value(self, raw: Any, option: str) -> int | float:
+        """One number; BadInput naming `option` and what it takes otherwise."""
+        number, wrong = self.parse(raw, option)
+        if number is None:
+            takes = f"a {self.noun} {self.bounds}"
+            raise BadInput(f"{option} {_shown(raw)}: " + (f"{wrong} ({takes})" if wrong else f"expected {takes}"))
+        return number
+
+    def values(self, text: str, option: str) -> list:
+        """A comma list of such numbers (at least one)."""
+        takes = f"{self.noun}s {self.bounds}, separated by commas"
+        parts = [part.strip() for part in str(text).split(",") if part.strip()]
+        if not parts:
+            raise BadInput(f"{option} {_shown(text)}: expected {takes}")
+        numbers = []
+        for part in parts:
+            number, wrong = self.parse(part, option)
+            if number is None:
+                raise BadInput(f"{option} {_shown(text)}: " + (f"{wrong}, got {_shown(part)} ({takes})" if wrong
+                                                               else f"expected {takes}, got {_shown(part)}"))
+            numbers.append(number)
+        return numbers
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | float:
+        return self.value(value, param.opts[0] if param is not None and param.opts else "the value")
+
+
+def _number(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+def _shown(raw: Any) -> str:
+    text = str(raw).strip()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def count(low: int = 1, high: int = MAX_COUNT) -> Number:
+    return Number(int, low, high, "whole number", f"from {low} to {high}")
+
+
+SIZE = count()  # batch, seq, heads, head dims, TP and CP degrees, ranks, depths
+INDEX = count(0)  # layer, step, rank, call and row indices; sequence lengths (0 allowed)
+WINDOW_SIDE = count(-1)  # -1: unbounded
+SEED = Number(int, 0, MAX_SEED, "whole number", f"from 0 to {MAX_SEED} = 2**63-1")
+SECONDS = Number(float, 0, MAX_TIMEOUT_S, "number of seconds", f"above 0 and at most {MAX_TIMEOUT_S:.0f}, a week",
+                 low_open=True)
+REPEATS = count(1, MAX_REPEATS)
+WORKERS = count(1, MAX_WORKERS)
+SCALE = Number(float, 0, MAX_SCALE, "positive number", f"at most {MAX_SCALE:g}, e.g. 0.125", low_open=True)
 
 
 def _stack(fn: Callable, options: list[Callable]) -> Callable:
@@ -36,28 +126,26 @@ def _stack(fn: Callable, options: list[Callable]) -> Callable:
     return fn
 
 
-def _numbers(text: str, name: str, kind: type, what: str) -> list:
-    try:
-        values = [kind(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise BadInput(f"--{name} takes {what}s separated by commas, got {text!r}") from None
-    if not values:
-        raise BadInput(f"--{name} needs at least one {what}, got {text!r}")
-    return values
+def int_list(text: str | None, name: str, number: Number = INDEX) -> list[int] | None:
+    """`--NAME`'s comma list of whole numbers, each checked by `number` (default: an index, >= 0)."""
+    return None if text is None else number.values(text, f"--{name}")
 
 
-def int_list(text: str | None, name: str) -> list[int] | None:
-    return None if text is None else _numbers(text, name, int, "whole number")
+def float_list(text: str, name: str, number: Number = SCALE) -> list[float]:
+    return number.values(text, f"--{name}")
 
 
-def float_list(text: str, name: str) -> list[float]:
-    return _numbers(text, name, float, "number")
+def _one(values: list, option: str) -> int | float:
+    """The one value of an option that takes a list only under `sweep`."""
+    if len(values) != 1:
+        raise BadInput(f"{option} takes one value here, got {len(values)}: sweep the values with `attn-doctor sweep`")
+    return values[0]
 
 
 def window(text: str | None) -> tuple[int, int] | None:
     if text is None or text.lower() == "none":
         return None
-    values = int_list(text, "window")
+    values = int_list(text, "window", WINDOW_SIDE)
     if values is None or len(values) != 2:
         raise BadInput(f"--window takes LEFT,RIGHT (e.g. 256,0; -1 = unbounded), got {text!r}")
     return values[0], values[1]
@@ -75,17 +163,17 @@ def case_options(fn: Callable) -> Callable:
     """The case flags of run and bisect."""
     return _stack(fn, [
         click.option("--recipe", help="A TOML case from recipes/ (name or path); flags override it."),
-        click.option("--batch", type=int, help="Batch size [4]."),
-        click.option("--seq", type=int, help="Query sequence length [1024]."),
-        click.option("--seq-kv", type=int, help="Key/value sequence length (cross-attention) [= --seq]."),
-        click.option("--heads", type=int, help="Query heads [16]."),
-        click.option("--kv-heads", type=int, help="Key/value heads (GQA when fewer) [= --heads]."),
-        click.option("--head-dim", type=int, help="Head dimension [64]."),
+        click.option("--batch", type=SIZE, help="Batch size [4]."),
+        click.option("--seq", type=SIZE, help="Query sequence length [1024]."),
+        click.option("--seq-kv", type=SIZE, help="Key/value sequence length (cross-attention) [= --seq]."),
+        click.option("--heads", type=SIZE, help="Query heads [16]."),
+        click.option("--kv-heads", type=SIZE, help="Key/value heads (GQA when fewer) [= --heads]."),
+        click.option("--head-dim", type=SIZE, help="Head dimension [64]."),
         click.option("--dtype", type=click.Choice(DTYPES), help="Input dtype [bf16]."),
         click.option("--mask", type=click.Choice(MASK_NAMES),
                      help="TE's attn_mask_type (none = no_mask) [causal]."),
         click.option("--window", help="Sliding window LEFT,RIGHT (-1 = unbounded) [none]."),
-        click.option("--seed", type=int, help="Seed of q, k, v and the output gradient [1234]."),
+        click.option("--seed", type=SEED, help="Seed of q, k, v and the output gradient [1234]."),
         click.option("--inputs", type=click.Choice(INPUTS),
                      help="Distribution of q, k, v (the output gradient stays normal) [normal]."),
         *api_options(grid=False),
@@ -149,8 +237,9 @@ def backend_options(fn: Callable) -> Callable:
                           "thd_t2hd, ...) [contiguous, sb3hd_packed, sbh3d_packed, head_slice, transposed; thd: "
                           "contiguous, head_slice, qkv_3hd, kv_2hd]."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
-        click.option("--timeout", type=POSITIVE_SECONDS, default=300.0, show_default=True,
-                     help="Seconds one probe may take before its worker is killed (ERROR row)."),
+        click.option("--timeout", type=SECONDS, default=300.0, show_default=True,
+                     help=f"Seconds one probe may take before its worker is killed (ERROR row); at most "
+                          f"{MAX_TIMEOUT_S:.0f} (a week)."),
     ])
 
 
@@ -158,7 +247,7 @@ def repeats_option(fn: Callable) -> Callable:
     """`--repeats N` of run and sweep (bisect has its own: any failing run counts). Not a recipe key: like
     --timeout it says how to run a case, not which case."""
     return click.option(
-        "--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+        "--repeats", type=REPEATS, default=1, show_default=True,
         help="Run each single call N times on the same inputs: whether the repeats are bitwise identical, their "
              "spread, and the verdict on the worst repeat (not with --tp, --layers or --nproc).")(fn)
 
@@ -181,13 +270,13 @@ def build_case(options: dict[str, Any]) -> Case:
     if options.get("window") is not None:
         fields["window"] = window(options["window"])
     if options.get("head_dim_v") is not None:
-        fields["head_dim_v"] = int_list(options["head_dim_v"], "head-dim-v")[0]
+        fields["head_dim_v"] = _one(int_list(options["head_dim_v"], "head-dim-v", SIZE), "--head-dim-v")
     if options.get("softmax_scale") is not None:
-        fields["scale"] = float_list(options["softmax_scale"], "softmax-scale")[0]
+        fields["scale"] = _one(float_list(options["softmax_scale"], "softmax-scale"), "--softmax-scale")
     for name in ("seqlens", "seqlens_kv"):
         if options.get(name) is not None:
             fields[name] = tuple(int_list(options[name], name.replace("_", "-")))
-    case = make_case(**fields)
+    case = check_seed(make_case(**fields))
     if case.replay is not None:
         from attn_doctor.tracing.replay_case import check_captured_shapes
 
@@ -212,13 +301,13 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
         grid.update(recipe_grid)
     for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "seed"):
         if options.get(name) is not None:
-            grid[name] = int_list(options[name], name.replace("_", "-"))
+            grid[name] = int_list(options[name], name.replace("_", "-"), SEED if name == "seed" else SIZE)
     for name, allowed in (("dtype", DTYPES), ("mask", MASK_NAMES), ("inputs", INPUTS), ("qkv_format", QKV_FORMATS),
                           ("bias", BIASES), ("softmax", SOFTMAX_TYPES), ("fp8", FP8_RECIPES)):
         if options.get(name) is not None:
             grid[name] = choices(options[name], allowed, name.replace("_", "-"))
     if options.get("head_dim_v") is not None:
-        grid["head_dim_v"] = int_list(options["head_dim_v"], "head-dim-v")
+        grid["head_dim_v"] = int_list(options["head_dim_v"], "head-dim-v", SIZE)
     if options.get("softmax_scale") is not None:
         grid["scale"] = float_list(options["softmax_scale"], "softmax-scale")
     for name in ("seqlens", "seqlens_kv"):
@@ -230,9 +319,9 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
     if options.get("windows"):
         grid["window"] = [window(w) for w in options["windows"]]
     if options.get("layers") is not None:
-        depths = int_list(options["layers"], "layers")
+        depths = int_list(options["layers"], "layers", SIZE)
     if options.get("tp") is not None:
-        degrees = int_list(options["tp"], "tp")
+        degrees = int_list(options["tp"], "tp", SIZE)
     for name, values in (("layers", depths), ("tp", degrees)):
         if values is not None and (not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                                                      for v in values)):
@@ -252,8 +341,15 @@ def build_cases(options: dict[str, Any]) -> tuple[list[Case], list[str], list[in
     recipe = load_recipe(options["recipe"]) if options.get("recipe") else None
     if recipe is None or not recipe.grids:
         cases, dropped = expand_grids(base, [grid], drop_invalid=recipe is not None and recipe.drop_invalid)
-        return cases, dropped, depths, degrees, list(recipe.layouts) if recipe else []
+        return [check_seed(c) for c in cases], dropped, depths, degrees, list(recipe.layouts) if recipe else []
     _, flags, _, _ = build_grid({**options, "recipe": None})
     grids = [{**recipe.grid, **sub, **flags} for sub in recipe.grids]
     cases, dropped = expand_grids(base, grids, drop_invalid=recipe.drop_invalid)
-    return cases, dropped, depths, degrees, list(recipe.layouts)
+    return [check_seed(c) for c in cases], dropped, depths, degrees, list(recipe.layouts)
+
+
+def check_seed(case: Case) -> Case:
+    """A case's seed (a recipe's too) in the range the flags take: torch's generators take it, and what the
+    tool adds to it (the side inputs' and the stack's seeds) too."""
+    SEED.value(case.seed, "--seed (or the recipe's seed)")
+    return case

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application
-from attn_doctor.cli.options import backend_options, repeats_option
+from attn_doctor.cli.options import INDEX, SEED, backend_options, repeats_option
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
 
@@ -21,10 +21,10 @@ def _span(values: list[int]) -> str:
 
 @click.command()
 @click.argument("capture_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--call", "call_index", type=int, help="Only the call of this index (of each rank's process).")
-@click.option("--layer", type=int, help="Only the calls of this layer.")
-@click.option("--rank", type=int, help="Only the calls of this rank.")
-@click.option("--seed", type=int, default=1234, show_default=True,
+@click.option("--call", "call_index", type=INDEX, help="Only the call of this index (of each rank's process).")
+@click.option("--layer", type=INDEX, help="Only the calls of this layer.")
+@click.option("--rank", type=INDEX, help="Only the calls of this rank.")
+@click.option("--seed", type=SEED, default=1234, show_default=True,
               help="Seed of the inputs of calls whose values were not captured.")
 @backend_options
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),

@@ -10,6 +10,7 @@ from attn_doctor.cli.app import Application, Interrupted
 from attn_doctor.cli.options import (
     backend_options,
     build_case,
+    SIZE,
     case_options,
     repeats_option,
 )
@@ -24,11 +25,11 @@ from attn_doctor.core.layouts import canonical_layouts
               help="Write the results document here (default: attn-doctor-results/<run-id>/results.json).")
 @click.option("--profile", is_flag=True, help="Print where the time went (startup, reference, kernels, ...).")
 @click.option("--wide", is_flag=True, help="One wide table with what ran in a column (needs ~150 columns).")
-@click.option("--nproc", type=click.IntRange(min=1),
+@click.option("--nproc", type=SIZE,
               help="Run on N ranks launched with torchrun (N = --tp x --cp), gathering to rank 0.")
-@click.option("--tp", "tp_degree", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--tp", "tp_degree", type=SIZE, default=1, show_default=True,
               help="Tensor-parallel degree: heads split into shards (in one process; on ranks with --nproc).")
-@click.option("--cp", "cp_degree", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--cp", "cp_degree", type=SIZE, default=1, show_default=True,
               help="With --nproc: context-parallel ranks.")
 @click.option("--cp-comm-type", type=click.Choice(CP_COMM_TYPES), default="p2p", show_default=True,
               help="With --cp: how the sequence chunks are exchanged.")

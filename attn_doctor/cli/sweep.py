@@ -8,6 +8,7 @@ import click
 
 from attn_doctor.cli.app import Application, Interrupted
 from attn_doctor.cli.options import (
+    WORKERS,
     backend_options,
     build_cases,
     grid_options,
@@ -25,7 +26,7 @@ from attn_doctor.core.layouts import canonical_layouts
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory for results.jsonl, results.json and the plot "
                    "(default: attn-doctor-results/sweep-<stamp>).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=WORKERS, default=None,
               help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
                    "1 on the CPU; depth sweeps always 1]")
 @repeats_option

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from attn_doctor.core.case import Case
@@ -101,9 +102,21 @@ def make_report(rows: list[Row], request_specs: list[BackendSpec], device: str, 
                      created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
-def runnable(coords_list: list[Coords], specs: list[BackendSpec], device: str) -> list[Coords]:
+def asked_for(coords: Coords, kind: ProbeKind, degrees: Collection[int] = (1,)) -> bool:
+    """Whether a planned probe is one the request asked for (probes of `kind`, at one of the TP `degrees` where
+    the kind has them), not only the reference the asked ones are measured against: a TP plan's single
+    baseline call, a depth plan's TP=1 stack when TP=1 was not asked."""
+    if coords.kind is not kind:
+        return False
+    return kind not in (ProbeKind.TP, ProbeKind.DEPTH) or coords.tp in degrees
+
+
+def runnable(coords_list: list[Coords], specs: list[BackendSpec], device: str,
+             kind: ProbeKind = ProbeKind.CALL, degrees: Collection[int] = (1,)) -> list[Coords]:
     """The probes that can run here. Refuses (BadInput, before any worker starts) a request none of whose
-    requested probes can: every one statically skipped, with the reasons."""
+    requested probes can: every probe it asked for (`asked_for` `kind` and `degrees`; the baseline a TP or depth
+    plan adds as their reference does not count) statically skipped, with the reasons. Every command that
+    judges probes (run, sweep, replay) asks here."""
     from attn_doctor.execution.session import skipped_row
     from attn_doctor.probes.plan import static_skip
     from attn_doctor.verdict.diagnosis import untested
@@ -111,7 +124,8 @@ def runnable(coords_list: list[Coords], specs: list[BackendSpec], device: str) -
     rows, todo = [], []
     for coords in coords_list:
         reason = static_skip(coords, device)
-        rows.append(skipped_row(coords, reason) if reason else Row(coords=coords, verdict=""))  # "": still to run
+        if asked_for(coords, kind, degrees):
+            rows.append(skipped_row(coords, reason) if reason else Row(coords=coords, verdict=""))  # "": to run
         if not reason:
             todo.append(coords)
     why = untested(rows, [spec.name for spec in specs])
@@ -129,7 +143,8 @@ def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
     from attn_doctor.execution.session import Session
 
     coords = plan(request)
-    check_fits(runnable(coords, request.specs, request.device), request.device, repeats=request.repeats)
+    check_fits(runnable(coords, request.specs, request.device, request.kind, [request.tp]), request.device,
+               repeats=request.repeats)
     progress = progress or ProgressSink()
     start = time.perf_counter()
     progress.begin(len(coords), "probes")
@@ -157,7 +172,7 @@ def run_distributed(request: RunRequest, progress: ProgressSink | None = None) -
     comm = request.cp_comm_type if request.cp > 1 else None
     distributed.check_launchable(request.nproc, request.tp, request.cp, comm, request.device)
     runnable([Coords.distributed(request.case, spec, request.tp, request.cp, comm) for spec in request.specs],
-             request.specs, request.device)
+             request.specs, request.device, ProbeKind.DISTRIBUTED)
     progress = progress or ProgressSink()
     progress.begin(len(request.specs), f"probes on {request.nproc} ranks")
     outcomes = distributed.launch_many([(spec, request.case) for spec in request.specs], nproc=request.nproc,

@@ -100,13 +100,20 @@ def prepare(request: SweepRequest) -> SweepPlan:
     if not request.resume and log.path.exists():
         raise BadInput(f"{request.directory} already holds a sweep ({log.path.name}); continue it with --resume "
                        f"{request.directory} or choose another --out")
+    # A new or empty folder becomes the sweep's (other files in it are left alone); results a sweep would write
+    # over are not (a sweep.json alone is a sweep that finished no point: it starts again there).
+    taken = [name for name in (DOCUMENT_FILE, PLOT_FILE) if (request.directory / name).exists()]
+    if not request.resume and taken:
+        raise BadInput(f"{request.directory} already holds {', '.join(taken)}, which the sweep would overwrite; "
+                       "choose a new or empty --out folder")
     done_rows, done_points = log.load()
     points = plan_points(request.cases, request.layouts, request.depths, request.degrees)
     check_resumable(request.directory, done_rows, points, request.specs)
     check_same_repeats(request.directory, done_rows, request.repeats)
     todo = [p for p in points if p.id not in done_points]
     plan = SweepPlan(request, log, points, todo, done_rows)
-    can_run = set(runnable([c for p in points for c in p.coords(request.specs)], request.specs, request.device))
+    can_run = set(runnable([c for p in points for c in p.coords(request.specs)], request.specs, request.device,
+                           kind, request.degrees or [1]))
     check_fits([c for p in todo for c in p.coords(request.specs) if c in can_run], request.device, plan.workers,
                repeats=request.repeats)
     return plan
