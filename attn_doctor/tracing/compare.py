@@ -197,7 +197,7 @@ class Comparison:
                        "the layers after it")
             else:
                 why = "the rounding of what comes before attention, carried through the layers"
-            inputs = (f"q, k, v: {since} ({parts}, {first.inputs_distance / first.eps:.0f} eps){growth}: {why}")
+            inputs = (f"q, k, v: {since} ({parts}, {first.inputs_distance / first.eps:.2g} eps){growth}: {why}")
         found = self.first_fault()
         errors = [e for layer in compared for m in layer.measured for e in m.e]
         if found is None:
