@@ -178,6 +178,7 @@ class Comparison:
         compared = [layer for layer in self.layers if layer.measured]
         if not compared:
             return []
+        found = self.first_fault()
         first = next((layer for layer in compared if layer.inputs_distance > 0), None)
         if first is None:
             inputs = f"q, k, v: bitwise the same in both runs at all {len(compared)} compared layer calls"
@@ -188,7 +189,6 @@ class Comparison:
             since = (f"bitwise the same up to {compared[before - 1].name}, apart from {first.name} on" if before
                      else f"apart from the first compared call ({first.name}) on")
             growth = (f"; the most {widest.inputs_distance:.2g} apart at {widest.name}" if widest is not first else "")
-            found = self.first_fault()
             if self.inputs_at_start() is not None:
                 why = ("beyond what rounding explains already at the first compared call: the runs differ upstream "
                        "of attention")
@@ -198,14 +198,13 @@ class Comparison:
             else:
                 why = "the rounding of what comes before attention, carried through the layers"
             inputs = (f"q, k, v: {since} ({parts}, {first.inputs_distance / first.eps:.2g} eps){growth}: {why}")
-        found = self.first_fault()
         errors = [e for layer in compared for m in layer.measured for e in m.e]
         if found is None:
             kernels = (f"attention on its own inputs: right in both runs (float64 errors at most "
                        f"{max(errors):.2g}, as a correct kernel rounds)")
             flash = [(layer, m) for layer in compared for m in layer.measured if m.flash_run is not None]
             if flash:
-                layer, m = max(flash, key=lambda found: found[1].e[found[1].flash_run])
+                layer, m = max(flash, key=lambda pair: pair[1].e[pair[1].flash_run])
                 run = m.flash_run
                 kernels += (f"; {self.labels[run]}'s {m.tensor} is up to {m.e[run] / m.e[1 - run]:.1f}x the other's "
                             f"({m.e[run]:.2g} at {layer.name}), which a flash-style backward makes on these inputs: "
