@@ -155,9 +155,8 @@ def _sdpa_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
     args = call.meta["arguments"]
     if args.get("dropout_p"):
         return f"dropout {args['dropout_p']} (attn-doctor compares deterministic calls)"
-    (b, h, s, d), (_, hkv, skv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
-    fields.update(batch=b, seq=s, seq_kv=skv, heads=h, kv_heads=hkv, head_dim=d, head_dim_v=dv, qkv_format="bshd",
-                  mask="causal" if args.get("is_causal") else "no_mask", scale=args.get("scale"))
+    fields.update(_dims(shapes, "bhsd"), qkv_format="bshd", mask="causal" if args.get("is_causal") else "no_mask",
+                  scale=args.get("scale"))
     if args.get("attn_mask") is None:
         return None
     mask = captured_tensor(call, "attn_mask")
@@ -196,9 +195,8 @@ def _flash_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
         same = fields["seqlens"] == fields.get("seqlens_kv", fields["seqlens"])
         fields["mask"] = ("padding_causal" if same else "padding_causal_bottom_right") if causal else "padding"
         return None
-    (b, s, h, d), (_, skv, hkv, _), dv = shapes["q"], shapes["k"], shapes["v"][-1]
-    fields.update(batch=b, seq=s, seq_kv=skv, heads=h, kv_heads=hkv, head_dim=d, head_dim_v=dv, qkv_format="bshd",
-                  mask=("causal" if s == skv else "causal_bottom_right") if causal else "no_mask")
+    fields.update(_dims(shapes, "bshd"), qkv_format="bshd")
+    fields["mask"] = ("causal" if fields["seq"] == fields["seq_kv"] else "causal_bottom_right") if causal else "no_mask"
     return None
 
 
@@ -234,10 +232,7 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
         return "bottom_right_diagonal=False with a window or ALiBi (attn-doctor aligns them as TE's default does)"
     if fmt == "thd":
         return _thd_fields(call, shapes, fields, args.get("max_seqlen_q"), args.get("max_seqlen_kv"))
-    order = (1, 0) if fmt == "sbhd" else (0, 1)
-    b, s = (shapes["q"][i] for i in order)
-    fields.update(batch=b, seq=s, seq_kv=shapes["k"][order[1]], heads=shapes["q"][2], head_dim=shapes["q"][3],
-                  kv_heads=shapes["k"][2], head_dim_v=shapes["v"][3])
+    fields.update(_dims(shapes, fmt))
     if mask == "arbitrary":
         allowed = te_arbitrary_mask(call)
         if isinstance(allowed, str):
@@ -253,7 +248,8 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
 
 
 def _dims(shapes: dict, fmt: str) -> dict[str, int]:
-    """The case's sizes from q, k, v's shapes in a padded format (bshd, sbhd or bhsd)."""
+    """The case's sizes from q, k, v's shapes in a padded format (bshd, sbhd or bhsd), as every API's reader
+    takes them."""
     q, k = (dict(zip(fmt, shapes[name])) for name in ("q", "k"))
     return dict(batch=q["b"], seq=q["s"], seq_kv=k["s"], heads=q["h"], kv_heads=k["h"], head_dim=q["d"],
                 head_dim_v=shapes["v"][fmt.index("d")])
