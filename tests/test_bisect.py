@@ -22,6 +22,7 @@ from attn_doctor.bisect.engine import Bisector, NothingToBisect, Outcome, Tensor
 from attn_doctor.bisect.knobs import coords_at
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.case import Case, make_case
+from attn_doctor.results.bisect_record import Condition
 from cli_checks import one_line_error
 
 COND = Path(__file__).resolve().parent / "kernels" / "conditional.py"
@@ -68,9 +69,14 @@ def _failing(tensors: dict[str, tuple[str, float]]) -> Outcome:
         name: TensorFailure(kind, 10.0, error) for name, (kind, error) in tensors.items()})
 
 
-def test_a_step_that_fails_differently_counts_as_passing():
-    """The start fails on dq by 5%; below seq 64 a different failure (out, or dq far smaller, or a bias)
-    shows up. The bisect keeps seq 64, the real boundary of the start's failure."""
+def _changes(result) -> dict[str, str]:
+    return {c.knob: c.what for c in result.changes}
+
+
+def test_a_step_that_fails_differently_is_a_change_never_a_boundary():
+    """The start fails on dq by 5%; below seq 64 a different failure (dq's rows far less wrong) shows up. The
+    bisect keeps seq 64 as the smallest case that fails the start's way, and reports that seq 63 changes the
+    failure: not that seq is necessary, since the case never passed."""
     def probe(config: Coords) -> Outcome:
         seq = config.case.seq
         if seq >= 64:
@@ -82,16 +88,56 @@ def test_a_step_that_fails_differently_counts_as_passing():
         return _failing({"dq": ("bias", 0.05)})
 
     start = coords_at(make_case(batch=1, seq=256, heads=1, head_dim=8, dtype="fp32", mask="none"), "contiguous")
-    engine = Bisector(probe, valid=valid_config)
-    result = engine.run(start)
+    result = Bisector(probe, valid=valid_config).run(start)
     assert result.minimal.case.seq == 64
-    failing, passing = _necessary(result)["seq"]
-    assert failing == 64 and passing.startswith("63 (fails differently: dq's error is 0.0004")
+    assert "seq" not in _necessary(result)
+    assert _changes(result)["seq"].startswith("fails differently: dq's error is 0.0004, the start's 0.05")
     different = [step for step in result.steps if step.verdict == "FAIL" and not step.fails]
-    assert different and all("fails differently" in step.note for step in different)
+    assert different and all("not the start's failure" in step.note for step in different)
 
 
-def test_same_failure_allows_an_order_of_magnitude_and_any_dtype():
+def test_a_crash_or_a_skip_is_a_change_never_a_condition():
+    """Simplifying the layout crashes, and the plainer mask cannot run: neither is the failure going away."""
+    def probe(config: Coords) -> Outcome:
+        if config.layout == "contiguous":
+            return Outcome("ERROR", "RuntimeError: misaligned address")
+        if config.case.mask == "no_mask":
+            return Outcome("SKIP", "the kernel does not take this mask")
+        return _failing({"dq": ("error", 0.05)})
+
+    start = coords_at(make_case(batch=1, seq=8, heads=1, head_dim=8, dtype="fp32", mask="causal"), "transposed")
+    result = Bisector(probe, valid=valid_config).run(start)
+    assert _necessary(result) == {}
+    changes = _changes(result)
+    assert changes["layout"] == "crashes instead (RuntimeError)"
+    assert changes["mask"].startswith("cannot run there (the kernel does not take this mask")
+    assert (result.minimal.layout, result.minimal.case.mask) == ("transposed", "causal")
+
+
+def _rows_wrong(config: Coords, wrong: int) -> Outcome:
+    """dq's rows wrong from position `wrong` on, each row 50% off: the whole-tensor error shrinks with the share
+    of wrong rows, the worst row's does not."""
+    seq = config.case.seq
+    if seq <= wrong:
+        return Outcome("PASS")
+    share = (seq - wrong) / seq
+    return Outcome("FAIL", "", ("dq",), failures={"dq": TensorFailure("error", 100 * share, 0.5 * share ** 0.5,
+                                                                       row_error=0.5)})
+
+
+def test_a_fault_on_fewer_rows_is_the_same_failure():
+    """The issue's late-token fault: at seq 513 one row in 513 is wrong (whole-tensor error 0.022, 23x below the
+    start's 0.5), and it is still the start's failure: the boundary is exactly 512/513, and nothing else is
+    necessary."""
+    start = coords_at(make_case(batch=2, seq=1024, heads=4, head_dim=16, dtype="bf16", mask="none"), "transposed")
+    result = Bisector(lambda c: _rows_wrong(c, 512), valid=valid_config).run(start)
+    assert _necessary(result) == {"seq": (513, "512")}
+    assert result.changes == []
+    minimal = result.minimal
+    assert (minimal.case.seq, minimal.case.heads, minimal.case.batch, minimal.case.head_dim) == (513, 1, 1, 8)
+
+
+def test_same_failure_is_what_the_fault_does_to_a_row():
     start = _failing({"dq": ("error", 0.05)})
     assert _failing({"dq": ("error", 0.02), "dk": ("error", 0.3)}).differs_from(start) is None
     assert "error" in _failing({"dq": ("error", 0.004)}).differs_from(start)
@@ -100,6 +146,67 @@ def test_same_failure_allows_an_order_of_magnitude_and_any_dtype():
     assert "bias" in _failing({"dq": ("bias", 0.05)}).differs_from(start)
     cancelled = Outcome("FAIL", "", ("dq",), failures={"dq": TensorFailure("error", 10.0, 0.05, cancelled=True)})
     assert "degenerate" in cancelled.differs_from(start)
+    # where the worst rows are known, they decide: 30x less error over the tensor, each wrong row as wrong
+    by_rows = Outcome("FAIL", "", ("dq",), failures={"dq": TensorFailure("error", 10.0, 0.5, row_error=0.5)})
+    fewer_rows = Outcome("FAIL", "", ("dq",), failures={"dq": TensorFailure("error", 4.0, 0.016, row_error=0.4)})
+    assert fewer_rows.differs_from(by_rows) is None
+    weaker = Outcome("FAIL", "", ("dq",), failures={"dq": TensorFailure("error", 4.0, 0.5, row_error=0.01)})
+    assert "worst row is off by 0.01, the start's 0.5" in weaker.differs_from(by_rows)
+
+
+def test_a_relation_between_lengths_is_reported_as_the_relation():
+    """A kernel wrong whenever seq_kv < seq: the seq boundary sits at seq_kv + 1 wherever seq_kv is, so the
+    condition is the relation, and both lengths shrink together."""
+    start = coords_at(make_case(batch=2, seq=320, seq_kv=192, heads=4, head_dim=16, dtype="bf16", mask="none"))
+    result = Bisector(_recording(lambda c: c.case.seq_kv < c.case.seq)[0], valid=valid_config).run(start)
+    assert [(c.knob, c.relation, c.failing_value, c.passing_value) for c in result.necessary] == [
+        ("seq", "seq > seq_kv", "seq 2, seq_kv 1", "seq 1, seq_kv 1")]
+    assert (result.minimal.case.seq, result.minimal.case.seq_kv) == (2, 1)
+    assert result.necessary[0].sentence() == "fails when seq > seq_kv (seq 2, seq_kv 1), passes at seq 1, seq_kv 1"
+
+
+def test_a_threshold_on_one_length_is_not_a_relation():
+    """Wrong in cross-attention from seq 193 on, whatever seq_kv: the boundary happens to sit at seq_kv + 1 at the
+    start, and the shifted try shows it does not move with seq_kv. Both conditions carry the minimal case's
+    values, not those of the moment they were found (seq_kv was 192 then, 1 now)."""
+    start = coords_at(make_case(batch=1, seq=320, seq_kv=192, heads=1, head_dim=8, dtype="fp32", mask="none"))
+    cross = lambda c: c.case.seq >= 193 and c.case.seq_kv != c.case.seq  # noqa: E731
+    result = Bisector(_recording(cross)[0], valid=valid_config).run(start)
+    assert _necessary(result) == {"seq": (193, "192"), "seq_kv": (1, "193")}
+    assert all(not c.relation for c in result.necessary)
+    assert (result.minimal.case.seq, result.minimal.case.seq_kv) == (193, 1)
+
+
+def test_the_other_relation_more_keys_than_queries():
+    start = coords_at(make_case(batch=1, seq=100, seq_kv=300, heads=1, head_dim=8, dtype="fp32", mask="none"))
+    result = Bisector(_recording(lambda c: c.case.seq_kv > c.case.seq)[0], valid=valid_config).run(start)
+    assert [(c.knob, c.relation) for c in result.necessary] == [("seq_kv", "seq_kv > seq")]
+    assert (result.minimal.case.seq, result.minimal.case.seq_kv) == (1, 2)
+
+
+def test_conditions_are_confirmed_by_rerunning_both_sides():
+    """Every condition is rerun on the minimal case: kept it fails, simplified it passes. A kernel that fails
+    at seq 300 only on its first run there cannot be confirmed, and seq is not printed as necessary."""
+    seen: dict[int, int] = {}
+
+    def probe(config: Coords) -> Outcome:
+        seq = config.case.seq
+        seen[seq] = seen.get(seq, 0) + 1
+        fails = config.layout != "contiguous" and (seq >= 301 or (seq == 300 and seen[seq] == 1))
+        return Outcome("FAIL", "dq: error 0.05", ("dq",)) if fails else Outcome("PASS")
+
+    start = coords_at(make_case(batch=1, seq=320, heads=1, head_dim=8, dtype="fp32", mask="none"), "transposed")
+    result = Bisector(probe, valid=valid_config).run(start)
+    confirming = [step for step in result.steps if step.knob == "confirm"]
+    assert [step.tried for step in confirming][:1] == ["the minimal case again"]
+    assert "not confirmed" in _changes(result).get("layout", "") + _changes(result).get("seq", "")
+    assert result.necessary == [] or all(c.knob != "seq" or c.failing_value != 300 for c in result.necessary)
+
+    # a deterministic kernel: each condition is confirmed by two fresh probes (kept, simplified)
+    result = Bisector(_recording(_seq_and_layout)[0], valid=valid_config).run(SEQ_START)
+    confirming = [step for step in result.steps if step.knob == "confirm"]
+    assert [(s.tried, s.fails) for s in confirming] == [
+        ("the minimal case again", True), ("layout contiguous", False), ("seq 299", False)]
 
 
 def test_engine_finds_exactly_the_conditions_with_exact_integer_boundaries():
@@ -123,7 +230,11 @@ def test_engine_finds_exactly_the_conditions_with_exact_integer_boundaries():
     assert any(s.knob == "batch" and s.tried == "2" and not s.fails for s in result.steps)
     # the start is probed first, no configuration is probed twice, and every probe was a valid configuration
     assert calls[0] == BIG_START and result.steps[0].knob == "start" and result.steps[0].fails
-    assert len(calls) == len(set(calls))
+    # the confirmation reruns the minimal case and one simplification per condition; nothing else is probed twice
+    reruns = [s for s in result.steps if s.knob == "confirm"]
+    assert len(reruns) == 1 + len(result.necessary) and all(s.fails == (i == 0) for i, s in enumerate(reruns))
+    searched = calls[:len(calls) - len(reruns)]
+    assert len(searched) == len(set(searched))
     assert all(valid_config(c) for c in calls)
 
 
@@ -233,7 +344,7 @@ def test_engine_repeats_apply_to_the_start_too():
 ], ids=["exception", "died", "hung"])
 def test_engine_error_start_counts_only_the_same_error_class(same_a, same_b, other):
     """From a crashing start: a probe that crashes the same way (same class, other details) still fails; one
-    that crashes differently (layout contiguous here) does not, so it makes a necessary condition."""
+    that crashes differently (layout contiguous here) is a change, not a condition: the crash did not go away."""
 
     def probe(config: Coords) -> Outcome:
         case = config.case
@@ -248,10 +359,8 @@ def test_engine_error_start_counts_only_the_same_error_class(same_a, same_b, oth
     start = coords_at(make_case(batch=4, seq=129, heads=2, head_dim=16, dtype="bf16"), "head_slice")
     result = Bisector(probe, valid=valid_config).run(start)
     necessary = _necessary(result)
-    assert set(necessary) == {"layout", "batch"}
-    failing, passing = necessary["layout"]
-    assert failing == "head_slice" and passing.startswith("contiguous (error: ")
-    assert necessary["batch"] == (2, "1")
+    assert necessary == {"batch": (2, "1")}
+    assert _changes(result)["layout"].startswith("crashes differently (")
     assert result.minimal.layout == "head_slice" and result.minimal.case.seq == 1  # seq 1 crashes the same way
     assert result.minimal_outcome == Outcome("ERROR", same_b)
 
@@ -305,19 +414,37 @@ STARTS = {
     # the bisect must find 256, not a degenerate case where every kernel is noisy (issue 15).
     "flash_dq_seq_ge_256": ["--batch", 2, "--seq", 320, "--heads", 4, "--head-dim", 16, "--dtype", "bf16",
                             "--mask", "causal", "--layout", "transposed"],
+    # Faults on some tokens or heads only (issue 33): fewer rows touched is the same failure, so the conditions
+    # are exactly the token and head boundaries, nothing that merely shrinks the error.
+    "late_tokens_dq_zero": ["--batch", 2, "--seq", 1024, "--heads", 4, "--head-dim", 16, "--dtype", "bf16",
+                            "--layout", "transposed"],
+    "late_heads_out_zero": ["--batch", 2, "--seq", 64, "--heads", 6, "--head-dim", 16, "--dtype", "bf16",
+                            "--layout", "transposed"],
+    "late_tokens_and_heads_out_zero": ["--batch", 2, "--seq", 1024, "--heads", 4, "--head-dim", 16,
+                                       "--dtype", "bf16", "--layout", "transposed"],
+    # Wrong whenever seq_kv < seq (TE's unfused path's fault of issue 16): the relation, not a threshold.
+    "fewer_keys_than_queries": ["--batch", 2, "--seq", 320, "--seq-kv", 192, "--heads", 4, "--head-dim", 16,
+                                "--dtype", "bf16", "--layout", "transposed"],
 }
 
-# What each bisect must reach: the necessary conditions (knob -> failing, passing) and the minimal case.
+# What each bisect must reach: the necessary conditions (knob -> failing, passing, with the minimal case's
+# values) and the minimal case.
 PLAIN = dict(batch=1, seq=1, heads=1, kv_heads=1, seq_kv=1, head_dim=8, dtype="fp32", mask="no_mask", window=None,
              seed=1234)
 EXPECTED = {
     "seq_ge_300_noncontig": ({"layout": ("head_slice", "contiguous"), "seq": (300, "299")},
                              {**PLAIN, "seq": 300, "seq_kv": 300}, "head_slice"),
-    "gqa_only": ({"kv_heads": (2, "4")}, {**PLAIN, "heads": 2, "kv_heads": 1}, "contiguous"),
+    "gqa_only": ({"kv_heads": (1, "2")}, {**PLAIN, "heads": 2, "kv_heads": 1}, "contiguous"),
     "fp16_only": ({"dtype": ("fp16", "fp32, bf16")}, {**PLAIN, "dtype": "fp16"}, "contiguous"),
     "head_dim_gt_40": ({"head_dim": (48, "40")}, {**PLAIN, "head_dim": 48}, "contiguous"),
     "flash_dq_seq_ge_256": ({"seq": (256, "255")}, {**PLAIN, "seq": 256, "seq_kv": 256}, "contiguous"),
+    "late_tokens_dq_zero": ({"seq": (513, "512")}, {**PLAIN, "seq": 513, "seq_kv": 513}, "contiguous"),
+    "late_heads_out_zero": ({"heads": (3, "2")}, {**PLAIN, "heads": 3, "kv_heads": 3}, "contiguous"),
+    "late_tokens_and_heads_out_zero": ({"seq": (513, "512"), "heads": (3, "2")},
+                                       {**PLAIN, "seq": 513, "seq_kv": 513, "heads": 3, "kv_heads": 3}, "contiguous"),
+    "fewer_keys_than_queries": ({"seq": ("seq 2, seq_kv 1", "seq 1, seq_kv 1")}, {**PLAIN, "seq": 2}, "contiguous"),
 }
+RELATIONS = {"fewer_keys_than_queries": "seq > seq_kv"}
 
 
 def _kernel(func: str) -> str:
@@ -356,6 +483,8 @@ def test_bisect_reaches_exactly_the_kernels_conditions(bisected, func):
         failing, passing = necessary["dtype"]
         necessary["dtype"] = (failing, ", ".join(sorted(passing.split(", "), key=["fp32", "bf16"].index)))
     assert necessary == conditions
+    assert [n.get("relation", "") for n in doc["necessary"]] == [RELATIONS.get(func, "")] * len(necessary)
+    assert doc["changes"] == []  # every simplification either kept the failure or removed it
     assert doc["minimal_case"]["case"] == minimal_case
     assert (doc["minimal_case"]["layout"], doc["minimal_case"]["tp"], doc["minimal_case"]["layers"]) == (
         minimal_layout, 1, 0)
@@ -369,9 +498,13 @@ def test_bisect_reaches_exactly_the_kernels_conditions(bisected, func):
     first = doc["probes"][0]
     assert TE_FACT_KEYS <= set(first) and first["knob"] == "start" and first["verdict"] == "FAIL" and first["fails"]
     # the terminal says the same
-    for knob, (failing, passing) in necessary.items():
-        if knob != "dtype":
-            assert f"fails at {knob} {failing}, passes at {passing}" in result.output
+    for condition in doc["necessary"]:
+        if condition["knob"] != "dtype":
+            assert Condition(**condition).sentence() in " ".join(result.output.split()), condition
+    # each condition was confirmed by rerunning the minimal case kept (fails) and simplified (passes)
+    reruns = [p for p in doc["probes"] if p["knob"] == "confirm"]
+    assert [p["fails"] for p in reruns] == [True] + [False] * len(necessary)
+    assert all(p["verdict"] == "PASS" for p in reruns[1:])
     assert "minimal failing case:" in result.output
 
 
@@ -652,3 +785,13 @@ def test_a_minimal_case_a_correct_path_also_fails_is_set_aside(monkeypatch):
     control_fails_at = {1, 16, 64}
     result = BisectResult(start, outcomes[start], smallest, outcomes[smallest], [], [], [middle, smallest], outcomes)
     assert "fails on every case tried" in driver.confirm_minimal(None, result)
+
+
+def test_a_relation_the_start_contradicts_is_only_that_the_lengths_differ():
+    """Wrong whenever seq_kv != seq, from a start with fewer keys than queries: the seq_kv search, run once seq is
+    1, finds the boundary at seq_kv 2 / 1, which reads "seq_kv > seq"; the start (seq_kv 8 < seq 16) fails too,
+    so the condition is only that the lengths differ."""
+    start = coords_at(make_case(batch=1, seq=16, seq_kv=8, heads=1, head_dim=8, dtype="fp32", mask="none"))
+    result = Bisector(_recording(lambda c: c.case.seq_kv != c.case.seq)[0], valid=valid_config).run(start)
+    assert [(c.knob, c.relation, c.failing_value) for c in result.necessary] == [
+        ("seq_kv", "seq_kv != seq", "seq_kv 2, seq 1")]

@@ -340,3 +340,22 @@ def test_a_damaged_values_file_is_bad_input_said_before_any_work(run_cli, captur
     (line,) = [text for text in result.output.splitlines() if text.startswith("attn-doctor: error:")]
     assert call.values_path.name in line and "capture again" in line and "Traceback" not in result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_call_whose_inputs_are_not_finite_replays_as_cannot_tell(run_cli, tmp_path):
+    """A call captured after the values diverged (a NaN in q): the float64 reference is NaN there too, so no
+    path can be judged. Every row says INCONCLUSIVE with the reason and the check that would decide, and the
+    run exits 1: a path that could not be judged is not a pass."""
+    q, k, v = (torch.randn(2, 4, 12, 8, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        q[0, 1, 3, 2] = math.nan
+    with attn_doctor.capture(tmp_path / "cap", values=True):
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+    result = run_cli(["replay", tmp_path / "cap", "--backend", "sdpa.math", "--device", "cpu", "--out", tmp_path / "r"])
+    assert result.exit_code == 1, result.output
+    assert "Cannot tell for local, sdpa.math" in " ".join(result.output.split())
+    rows = json.loads((tmp_path / "r" / "results.json").read_text())["results"]
+    assert {r["verdict"] for r in rows} == {"INCONCLUSIVE"}
+    assert all("float64 reference holds" in r["reason"] and "check: " in r["reason"] for r in rows)
+    report = run_cli(["report", tmp_path / "r", "--format", "markdown"])
+    assert "**INCONCLUSIVE**" in report.output and "why some could not be judged" in report.output

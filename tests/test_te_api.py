@@ -492,7 +492,9 @@ def test_the_repro_reproduces_feature_faults_without_attn_doctor(func, fields, l
 def test_bisect_reduces_a_feature_fault_to_its_conditions(run_cli, tmp_path):
     """A kernel that applies a top-left diagonal where bottom-right was asked: bisect keeps exactly the mask
     type and cross-attention, and drops the learnable sink it started with (its gradient fails too at the
-    start, but a case without a sink cannot fail on it: the failure is followed on the tensors both have)."""
+    start, but a case without a sink cannot fail on it: the failure is followed on the tensors both have).
+    Cross-attention in either direction fails (the start had fewer keys than queries, the minimal case more):
+    the condition is that the lengths differ, not that seq_kv > seq, which the start contradicts."""
     import json
 
     doc = tmp_path / "b.json"
@@ -501,8 +503,8 @@ def test_bisect_reduces_a_feature_fault_to_its_conditions(run_cli, tmp_path):
                       "--softmax", "learnable", "--device", "cpu", "--out", tmp_path, "--json", doc])
     assert result.exit_code == 0, result.output
     found = json.loads(doc.read_text())
-    necessary = {n["knob"]: n["failing_value"] for n in found["necessary"]}
-    assert necessary == {"mask": "causal_bottom_right", "seq_kv": 2}
+    necessary = {n["knob"]: (n["failing_value"], n.get("relation", "")) for n in found["necessary"]}
+    assert necessary == {"mask": ("causal_bottom_right", ""), "seq_kv": ("seq_kv 2, seq 1", "seq_kv != seq")}
     assert "softmax" not in found["minimal_case"]["case"]
 
 

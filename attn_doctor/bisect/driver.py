@@ -138,7 +138,8 @@ def outcome_of(row: Row) -> Outcome:
     for name, t in row.tensors.items():
         if t.verdict == FAIL:
             kind = "nonfinite" if t.nan or t.inf else "bias" if t.bias_failed else "error"
-            failures[name] = TensorFailure(kind, t.ratio, t.scaled_err, t.cancelled)
+            failures[name] = TensorFailure(kind, t.ratio, t.scaled_err, t.cancelled,
+                                           math.nan if t.worst_row_err is None else t.worst_row_err)
     return Outcome(row.verdict, row.reason, tuple(row.failing_tensors), row.extra, internal=row.internal,
                    failures=failures, measured=tuple(row.tensors) or None)
 

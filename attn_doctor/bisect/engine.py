@@ -2,19 +2,29 @@
 
 A minimizer in the style of delta debugging and PyTorch's compiler bisector: categorical knobs are moved
 to their plainest value (one at a time, then all that kept the failure together), integer knobs are
-binary-searched down to the smallest value that still fails. A knob whose simplification makes the
-failure disappear is a necessary condition, recorded with the values on both sides of the boundary.
-The knobs are a table (`knobs.py`).
+binary-searched down to the smallest value that still fails. The knobs are a table (`knobs.py`).
 
-Each step must reproduce the *same* failure as the start (`Signature`): the same pass (forward or
-backward), the start's worst tensor failing the same way (error, systematic bias or NaN/Inf), its error
-within a factor of ERROR_SPAN of the start's, and not on a tensor that cancels where the
-start's did not. A step that fails differently counts as passing for that knob: shrinking a case must not
-trade the user's fault for another one (or for a degenerate case every kernel is noisy on).
+Every probe stands in one of three relations to the start's failure:
+- SAME: it fails the way the start does (`Outcome.differs_from`): the same pass (forward or backward), the
+  start's worst tensor failing the same way (error, systematic bias or NaN/Inf), not on a tensor that cancels
+  where the start's did not, and doing the same to a row it touches: its worst row's error (over that row's
+  own terms' scale) within a factor of ERROR_SPAN of the start's. How many rows the fault touches is free: a
+  kernel wrong on the tokens past 512 is wrong on 1 row of 513 and on 512 of 1024, so its whole-tensor error
+  moves 20x while each wrong row is as wrong as before. A crashing start is SAME only on the same crash.
+- GONE: it passes. Only this makes a knob a necessary condition.
+- CHANGED: anything else (fails differently, crashes, cannot run, or attn-doctor's own error there). Such a
+  simplification is neither adopted nor a condition: it is reported as a change (`Change`), with what changed.
+
+Integer boundaries of two lengths may be one relation (seq > seq_kv), not a threshold: the boundary is tried
+again at another value of the other length, and a boundary that moves with it is reported as the relation.
+
+Before the result is returned, every necessary condition is confirmed: the minimal case fails again, and with
+that one knob simplified it passes again (both rerun, not read from the cache). A condition whose rerun
+disagrees is reported as a change, never as necessary; one whose simplification still fails on the minimal
+case was not needed there, and the simplification is adopted.
 
 The engine is pure: it only sees a `probe(coords) -> Outcome` callable, so it is tested with fake
-predicates and driven by real kernels by the driver (`driver.py`). An Outcome that is attn-doctor's own
-error (`internal`) never counts as a failure of the kernel.
+predicates and driven by real kernels by the driver (`driver.py`).
 """
 
 from __future__ import annotations
@@ -26,27 +36,28 @@ from typing import Callable
 
 from attn_doctor.bisect import knobs
 from attn_doctor.core.coords import Coords
-from attn_doctor.results.bisect_record import NOTE_CHARS, Condition, Step
+from attn_doctor.core.errors import BadInput
+from attn_doctor.results.bisect_record import NOTE_CHARS, Change, Condition, Step
 
-
-# A step's error may differ from the start's by this factor either way and still be the same failure: one
-# order of magnitude. The error (against the terms' scale) is compared, not its ratio to the yardstick: a 5%
-# fault is 5% in every dtype, while the yardstick moves with the dtype's epsilon (12x in bf16, 1e5x in fp32).
+# A step's worst row may be off by this factor either way from the start's and still be the same failure: one
+# order of magnitude. Errors are compared on the terms' scale, not as ratios to the yardstick: a 5% fault is 5%
+# in every dtype, while the yardstick moves with the dtype's epsilon (12x in bf16, 1e5x in fp32).
 ERROR_SPAN = 10.0
 
-# A probe's note keeps this many characters of its row's reason (`report` reads older documents' numbers
-# from them: a clause that reaches this length may have been cut).
+SAME, GONE, CHANGED = "same", "gone", "changed"
 
 
 @dataclass(frozen=True)
 class TensorFailure:
     """How one tensor fails: its kind ("error", "bias" or "nonfinite"), its ratio to the yardstick, its
-    error against the terms' scale, and whether the exact tensor cancels there."""
+    error against the terms' scale, whether the exact tensor cancels there, and its worst row's error over
+    that row's terms' scale (what the fault does to a row it touches)."""
 
     kind: str
     ratio: float
     error: float = math.nan
     cancelled: bool = False
+    row_error: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -84,8 +95,12 @@ class Outcome:
             return f"{lead} fails by {mine.kind}, the start by {theirs.kind}"
         if mine.cancelled and not theirs.cancelled:
             return f"{lead} cancels here (a degenerate case)"
-        if mine.kind == "error" and not _same_magnitude(mine.error, theirs.error):
-            return f"{lead}'s error is {mine.error:.3g}, the start's {theirs.error:.3g}"
+        if mine.kind == "error":
+            by_row = not (math.isnan(mine.row_error) or math.isnan(theirs.row_error))
+            a, b = (mine.row_error, theirs.row_error) if by_row else (mine.error, theirs.error)
+            if not _same_magnitude(a, b):
+                what = "worst row is off by" if by_row else "error is"
+                return f"{lead}'s {what} {a:.3g}, the start's {b:.3g}"
         return None
 
 
@@ -107,6 +122,7 @@ class BisectResult:
     steps: list[Step]
     trail: list[Coords] = field(default_factory=list)  # the simplifications adopted, in order
     outcomes: dict[Coords, Outcome] = field(default_factory=dict, repr=False)
+    changes: list[Change] = field(default_factory=list)  # simplifications that changed the failure
 
     def outcome_at(self, config: Coords) -> Outcome:
         return self.outcomes[config]
@@ -115,7 +131,8 @@ class BisectResult:
         return {
             "start_case": knobs.knob_dict(self.start),
             "minimal_case": knobs.knob_dict(self.minimal),
-            "necessary": [dataclasses.asdict(c) for c in self.necessary],
+            "necessary": [c.to_dict() for c in self.necessary],
+            "changes": [dataclasses.asdict(c) for c in self.changes],
             "probes": [dataclasses.asdict(s) for s in self.steps],
         }
 
@@ -140,43 +157,82 @@ def _error_class(reason: str) -> str:
     return reason.split(":")[0]
 
 
+@dataclass(frozen=True)
+class _Probed:
+    state: str  # SAME, GONE or CHANGED
+    outcome: Outcome
+    why: str = ""  # what changed (CHANGED only)
+
+
 class Bisector:
     def __init__(self, probe: RunProbe, repeats: int = 1, valid: Callable[[Coords], bool] | None = None):
         self.probe = probe
         self.repeats = max(1, repeats)
         self.valid = valid or (lambda coords: True)
         self.steps: list[Step] = []
-        self._start: Outcome | None = None  # the failure every step must reproduce
         self.trail: list[Coords] = []  # every configuration adopted, in order
+        self.changes: list[Change] = []
+        self._start: Outcome | None = None  # the failure every step must reproduce
+        self._start_at: Coords | None = None  # where it started (every necessary condition holds there)
         self._start_error: str | None = None
-        self._cache: dict[Coords, tuple[bool, Outcome]] = {}
+        self._probed: dict[Coords, _Probed] = {}
+        # Per necessary condition (by knob): a configuration where it was simplified, and how to simplify it on
+        # another one (what the confirmation reruns).
+        self._undo: dict[str, Callable[[Coords], Coords | None]] = {}
+        self._tied: set[str] = set()  # integer knobs already moved by a relation
 
-    def fails(self, config: Coords, knob: str = "start", tried: str = "") -> bool:
-        """The same verdict `run` gives, with the start's failure (see the module docstring); any of
-        --repeats runs failing so counts (a nondeterministic fault must not look fixed by luck); a crash
-        counts only if the start crashed the same way; attn-doctor's own error never counts."""
-        if config in self._cache:
-            return self._cache[config][0]  # already probed (and listed among the steps)
-        outcome = Outcome("PASS")
-        failing, note = False, ""
+    # --- one probe, and how it stands to the start's failure ---------------------------------------------
+
+    def _classify(self, outcome: Outcome) -> tuple[str, str]:
+        if outcome.verdict == "PASS":
+            return GONE, ""
+        if outcome.internal:
+            return CHANGED, f"attn-doctor itself failed there ({outcome.reason[:80]})"
+        if self._start_error is not None:  # the start crashed: only the same crash is the same failure
+            if outcome.verdict == "ERROR":
+                crash = _error_class(outcome.reason)
+                return (SAME, "") if crash == self._start_error else (CHANGED, f"crashes differently ({crash})")
+            if outcome.verdict == "FAIL":
+                return CHANGED, "runs, and computes wrong values instead of crashing"
+        elif outcome.verdict == "FAIL":
+            different = outcome.differs_from(self._start) if self._start is not None else None
+            return (CHANGED, f"fails differently: {different}") if different else (SAME, "")
+        elif outcome.verdict == "ERROR":
+            return CHANGED, f"crashes instead ({_error_class(outcome.reason)})"
+        return CHANGED, f"cannot run there ({outcome.reason[:80]})"
+
+    def state(self, config: Coords, knob: str = "start", tried: str = "", fresh: bool = False) -> str:
+        """SAME, GONE or CHANGED (see the module docstring). Any of --repeats runs failing the same way makes
+        it SAME (a nondeterministic fault must not look fixed by luck); GONE needs every run to pass. A
+        configuration is probed once unless `fresh` (a confirming rerun)."""
+        if config in self._probed and not fresh:
+            return self._probed[config].state
+        probed = None
         for _ in range(self.repeats):
             outcome = self.probe(config)
-            if outcome.verdict == "FAIL" and self._start_error is None:
-                different = outcome.differs_from(self._start) if self._start is not None else None
-                failing = different is None
-                note = f"fails differently ({different}): counted as passing" if different else ""
-            elif outcome.verdict == "ERROR" and not outcome.internal:
-                failing = self._start_error is not None and _error_class(outcome.reason) == self._start_error
-            if failing:
-                note = ""
+            state, why = self._classify(outcome)
+            if probed is None or state == SAME or (state == CHANGED and probed.state == GONE):
+                probed = _Probed(state, outcome, why)
+            if state == SAME:
                 break
-        self._cache[config] = (failing, outcome)
-        self.steps.append(Step(knob, tried, config.describe(), outcome.verdict, failing,
-                               "; ".join(filter(None, [note, outcome.reason[:NOTE_CHARS]]))))
-        return failing
+        self._probed[config] = probed
+        note = f"{probed.why}: not the start's failure" if probed.state == CHANGED else ""
+        self.steps.append(Step(knob, tried, config.describe(), probed.outcome.verdict, probed.state == SAME,
+                               "; ".join(filter(None, [note, probed.outcome.reason[:NOTE_CHARS]]))))
+        return probed.state
+
+    def fails(self, config: Coords, knob: str = "start", tried: str = "", fresh: bool = False) -> bool:
+        """Whether `config` fails the start's way (see `state`)."""
+        return self.state(config, knob, tried, fresh) == SAME
 
     def outcome(self, config: Coords) -> Outcome:
-        return self._cache[config][1]
+        return self._probed[config].outcome
+
+    def _why(self, config: Coords) -> str:
+        probed = self._probed[config]
+        return probed.why if probed.state == CHANGED else "passes"
+
+    # --- the search ----------------------------------------------------------------------------------------
 
     def run(self, start: Coords) -> BisectResult:
         for _ in range(self.repeats):  # the start gets --repeats too: a flaky fault must not look absent
@@ -188,17 +244,27 @@ class Bisector:
                                "in attn-doctor, not in the kernel")
         if first.verdict == "ERROR":
             self._start_error = _error_class(first.reason)
-        self._start = first
+        self._start, self._start_at = first, start
         failing = first.verdict in ("FAIL", "ERROR")
         self.steps.append(Step("start", "", start.describe(), first.verdict, failing, first.reason[:NOTE_CHARS]))
         if not failing:
             raise NothingToBisect(f"the starting case does not fail ({first.verdict}): {start.describe()}")
-        self._cache[start] = (True, first)
+        self._probed[start] = _Probed(SAME, first)
         necessary: list[Condition] = []
         config = self._categorical(start, necessary)
         config = self._integers(config, necessary)
-        outcomes = {c: o for c, (f, o) in self._cache.items() if f}
-        return BisectResult(start, first, config, self.outcome(config), necessary, self.steps, self.trail, outcomes)
+        config = self._confirm(config, necessary)
+        outcomes = {c: p.outcome for c, p in self._probed.items() if p.state == SAME}
+        return BisectResult(start, first, config, self.outcome(config), necessary, self.steps, self.trail, outcomes,
+                            self.changes)
+
+    def _necessary(self, necessary: list[Condition], condition: Condition,
+                   undo: Callable[[Coords], Coords | None]) -> None:
+        """Record `condition`, replacing any earlier one on the same knob (an integer boundary replaces the
+        categorical condition on layers or seq_kv)."""
+        necessary[:] = [c for c in necessary if c.knob != condition.knob]
+        necessary.append(condition)
+        self._undo[condition.knob] = undo
 
     # --- categorical knobs -------------------------------------------------------------------------------
 
@@ -225,41 +291,40 @@ class Bisector:
                     config = step
                     adopted.add(knob)
                     self.trail.append(config)
-        # What is left unsimplified is necessary only if simplifying it on top of the adopted changes
-        # passes; a move that still fails there is adopted after all.
-        passing: dict[str, list] = {}
+        # What is left unsimplified is necessary only if simplifying it on top of the adopted changes makes the
+        # failure go away; a move that still fails there is adopted after all; one that changes the failure is
+        # neither.
+        gone: dict[str, list[Coords]] = {}
+        changed: dict[str, list[Change]] = {}
         for knob, tried, original in moves:
             if knob in adopted:
                 continue
             candidate = knobs.carry(config, knob, original)
             if candidate is None or not self.valid(candidate) or candidate == config:
                 continue
-            if self.fails(candidate, knob, f"{tried} on the minimal case"):
+            state = self.state(candidate, knob, f"{tried} on the minimal case")
+            if state == SAME:
                 config = candidate
                 adopted.add(knob)
-                passing.pop(knob, None)
                 self.trail.append(config)
+            elif state == GONE:
+                gone.setdefault(knob, []).append(candidate)
             else:
-                passing.setdefault(knob, []).append(self._passing_value(candidate, knob))
-        for knob, values in passing.items():
+                changed.setdefault(knob, []).append(Change(knob, tried, self._why(candidate)))
+        for knob, candidates in gone.items():
             if knob not in adopted:
-                necessary.append(Condition(knob, knobs.value(config, knob), ", ".join(map(str, values))))
+                passing = ", ".join(str(knobs.value(c, knob)) for c in candidates)
+                self._necessary(necessary, Condition(knob, knobs.value(config, knob), passing),
+                                lambda c, knob=knob, to=candidates[0]: knobs.with_value(c, knob, to))
+        self.changes += [change for knob, found in changed.items() if knob not in adopted for change in found]
         return config
-
-    def _passing_value(self, candidate: Coords, knob: str) -> str:
-        outcome = self.outcome(candidate)
-        value = knobs.value(candidate, knob)
-        if outcome.verdict == "PASS":
-            return f"{value}"
-        different = outcome.differs_from(self._start) if outcome.verdict == "FAIL" and self._start else None
-        if different:
-            return f"{value} (fails differently: {different})"
-        return f"{value} ({outcome.verdict.lower()}: {outcome.reason[:80]})"
 
     # --- integer knobs -----------------------------------------------------------------------------------
 
     def _integers(self, config: Coords, necessary: list[Condition]) -> Coords:
         for knob in knobs.INTEGER:
+            if knob.name in self._tied:
+                continue
             values = knob.values(config)
             if len(values) < 2:
                 continue
@@ -268,26 +333,156 @@ class Bisector:
             if current not in candidates:
                 continue
             candidates = [v for v in candidates if v <= current]
-            lo, hi = -1, candidates.index(current)  # candidates[hi] fails; candidates[lo] passes (if lo >= 0)
-            if self.fails(knob.set(config, candidates[0]), knob.name, str(candidates[0])):
-                hi = 0
-            else:
-                lo = 0
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if self.fails(knob.set(config, candidates[mid]), knob.name, str(candidates[mid])):
-                        hi = mid
-                    else:
-                        lo = mid
-            if lo >= 0:
-                # The exact boundary replaces a categorical condition on the same knob (layers, seq_kv).
-                necessary[:] = [c for c in necessary if c.knob != knob.name]
-                necessary.append(Condition(knob.name, candidates[hi], self._passing_value(
-                    knob.set(config, candidates[lo]), knob.name)))
+            lo, hi = self._smallest_failing(candidates, lambda v: knob.set(config, v), knob.name, str)
             if candidates[hi] != current:
                 config = knob.set(config, candidates[hi])
                 self.trail.append(config)
+            if lo < 0:
+                continue
+            below = knob.set(config, candidates[lo])
+            if self._probed[below].state != GONE:
+                self.changes.append(Change(knob.name, str(candidates[lo]), self._why(below)))
+                continue
+            related = self._relation(config, knob.name, candidates[hi], candidates[lo], necessary)
+            if related is not None:
+                config = related
+                continue
+            self._necessary(necessary, Condition(knob.name, candidates[hi], str(candidates[lo])),
+                            lambda c, knob=knob, to=candidates[lo]: knob.set(c, to))
         return config
+
+    def _smallest_failing(self, values: list[int], at: Callable[[int], Coords], knob: str,
+                          label: Callable[[int], str]) -> tuple[int, int]:
+        """Binary search over `values` (ascending; the last fails the start's way): (lo, hi), values[hi] the
+        smallest found failing at `at(value)`, values[lo] the one below it that does not (-1: every value fails)."""
+        lo, hi = -1, len(values) - 1
+        if self.fails(at(values[0]), knob, label(values[0])):
+            return -1, 0
+        lo = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fails(at(values[mid]), knob, label(values[mid])):
+                hi = mid
+            else:
+                lo = mid
+        return lo, hi
+
+    def _relation(self, config: Coords, name: str, failing: int, passing: int,
+                  necessary: list[Condition]) -> Coords | None:
+        """Whether the boundary of `name` (fails at `failing`, passes just below) is a relation with another
+        length: it moves with that length (tried at another value of it). If so, the relation is recorded as
+        the condition, both lengths are shrunk together, and the new configuration returned; else None.
+
+        A necessary condition holds at the start. A boundary where the two lengths meet, crossed from the side
+        the start is not on (the start had fewer keys than queries, the boundary says more keys fail), says
+        only that they must differ: that is the condition recorded."""
+        relation = knobs.RELATION_OF.get(name)
+        if relation is None or not relation.applies(config):
+            return None
+        other = knobs.value(config, relation.other)
+        offset = failing - other  # the boundary sits at other + offset
+        start = self._start_at
+        if knobs.value(start, name) - knobs.value(start, relation.other) < offset:
+            if passing != other:
+                return None
+            self._record_relation(necessary, relation, f"{name} != {relation.other}", failing, other)
+            return config
+
+        def pair(y: int, x: int | None = None) -> Coords | None:
+            x = y + offset if x is None else x
+            if x < 1 or y < 1:
+                return None
+            try:
+                moved = relation.set(config, x, y)
+            except BadInput:
+                return None
+            return moved if self.valid(moved) else None
+
+        shifted = next((y for y in (other // 2, other * 2)
+                        if y != other and pair(y) is not None and pair(y, y + offset - 1) is not None), None)
+        if shifted is None:
+            return None
+        label = f"{relation.other} {shifted}"
+        if not (self.fails(pair(shifted), name, f"{shifted + offset} with {label}") and
+                self.state(pair(shifted, shifted + offset - 1), name, f"{shifted + offset - 1} with {label}") == GONE):
+            return None
+        # A relation: the smallest `other` at which it still fails, with `name` on its boundary.
+        lows = [y for y in range(max(1, 2 - offset), other + 1) if pair(y) is not None]
+        _, hi = self._smallest_failing(lows, pair, relation.other, lambda y: f"{y} with {name} on the relation")
+        smallest = lows[hi]
+        moved = pair(smallest)
+        if moved != config:
+            self.trail.append(moved)
+        text = (f"{name} > {relation.other}" if offset == 1 else f"{name} >= {relation.other}" if offset == 0 else
+                f"{name} > {relation.other} {'+' if offset > 1 else '-'} {abs(offset - 1)}")
+        self._record_relation(necessary, relation, text, smallest + offset, smallest)
+        return moved
+
+    def _record_relation(self, necessary: list[Condition], relation: knobs.Relation, text: str, x: int,
+                         y: int) -> None:
+        """The relation as the condition on `relation.knob` (fails at x with the other length y, passes one
+        below), in place of any condition on the other length ("self-attention passes" is implied)."""
+        name, other = relation.knob, relation.other
+        necessary[:] = [c for c in necessary if c.knob != other]
+        self._undo.pop(other, None)
+        self._necessary(necessary, Condition(name, f"{name} {x}, {other} {y}", f"{name} {x - 1}, {other} {y}",
+                                             relation=text), lambda c: _off_boundary(c, relation))
+        self._tied.add(other)
+
+    # --- confirming the conditions -------------------------------------------------------------------------
+
+    def _confirm(self, config: Coords, necessary: list[Condition]) -> Coords:
+        """Rerun the minimal case and, per condition, the minimal case with that one knob simplified (see the
+        module docstring); returns the minimal case (plainer where a condition turned out not to be needed)."""
+        while necessary:
+            if not self.fails(config, "confirm", "the minimal case again", fresh=True):
+                self.changes += [Change(c.knob, str(c.passing_value), "not confirmed: the minimal case did not fail "
+                                        "the same way when rerun (an intermittent fault? bisect with --repeats)")
+                                 for c in necessary]
+                necessary.clear()
+                return config
+            for condition in list(necessary):
+                simplified = self._undo[condition.knob](config)
+                if simplified is None or not self.valid(simplified):
+                    necessary.remove(condition)
+                    self.changes.append(Change(condition.knob, str(condition.passing_value),
+                                               "not confirmed: it cannot be simplified on the minimal case"))
+                    continue
+                passing = condition.passing_value
+                tried = str(passing) if condition.relation else f"{condition.knob} {passing}"
+                state = self.state(simplified, "confirm", tried, fresh=True)
+                if state == GONE:
+                    necessary[necessary.index(condition)] = _on(condition, config, simplified)
+                    continue
+                necessary.remove(condition)
+                if state == SAME:  # not needed on the minimal case after all: adopt it, and confirm again
+                    config = simplified
+                    self.trail.append(config)
+                    break
+                self.changes.append(Change(condition.knob, str(condition.passing_value),
+                                           f"not confirmed: rerun on the minimal case, it {self._why(simplified)}"))
+            else:
+                return config
+        return config
+
+
+def _on(condition: Condition, minimal: Coords, simplified: Coords) -> Condition:
+    """The condition with the values it has on the minimal case (lengths found early shrink later); a relation
+    names its values itself, and a list of passing values (every plainer dtype) stays as found."""
+    if condition.relation:
+        return condition
+    passing = condition.passing_value
+    if ", " not in str(passing):
+        passing = str(knobs.value(simplified, condition.knob))
+    return dataclasses.replace(condition, failing_value=knobs.value(minimal, condition.knob), passing_value=passing)
+
+
+def _off_boundary(coords: Coords, relation: knobs.Relation) -> Coords | None:
+    """`coords` one step below the relation's boundary: the related length one shorter."""
+    try:
+        return relation.set(coords, knobs.value(coords, relation.knob) - 1, knobs.value(coords, relation.other))
+    except BadInput:
+        return None
 
 
 def valid_config(coords: Coords) -> bool:

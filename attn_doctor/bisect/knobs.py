@@ -5,7 +5,8 @@ Categorical knobs move to their plainest value (the layout to contiguous, thd to
 lengths to full ones, no FP8, no sink, no bias, v's head dim to q's, the mask to a plainer TE mask type down
 to no_mask, GQA to plain heads, no window, self-attention, TP 1, one layer, the plainest dtype and input
 distribution that still fail); integer knobs are binary-searched down to the smallest value that still fails. A value a case cannot
-take (heads not divisible by the TP degree, say) is never probed.
+take (heads not divisible by the TP degree, say) is never probed. Relations name two lengths whose boundary may
+move together (seq > seq_kv), so the engine can tell a relation from a threshold.
 """
 
 from __future__ import annotations
@@ -189,6 +190,35 @@ INTEGER: tuple[Integer, ...] = (
 CATEGORICAL_BY_NAME = {knob.name: knob for knob in CATEGORICAL}
 
 
+def _set_lengths(coords: Coords, seq: int, seq_kv: int) -> Coords:
+    """Both lengths at once, whatever their order (per-sequence lengths cut to fit)."""
+    case = coords.case
+    fields: dict[str, Any] = {"seq": seq, "seq_kv": seq_kv}
+    if case.seqlens is not None:
+        fields["seqlens"] = [min(n, seq) for n in case.seqlens]
+    if case.seqlens_kv is not None:
+        fields["seqlens_kv"] = [min(n, seq_kv) for n in case.seqlens_kv]
+    return _with_case(coords, **fields)
+
+
+@dataclass(frozen=True)
+class Relation:
+    """Two integer knobs whose boundary may be a relation between them rather than a threshold on one: a
+    kernel wrong whenever seq_kv < seq fails from seq = seq_kv + 1 whatever seq_kv is. `set` moves both."""
+
+    knob: str
+    other: str
+    set: Callable[[Coords, int, int], Coords]  # the coordinates with knob = x and other = y
+    applies: Callable[[Coords], bool]  # whether the two are separate lengths in these coordinates
+
+
+RELATIONS: tuple[Relation, ...] = (
+    Relation("seq", "seq_kv", _set_lengths, lambda c: c.case.seq_kv != c.case.seq),
+    Relation("seq_kv", "seq", lambda c, x, y: _set_lengths(c, y, x), lambda c: c.case.seq_kv != c.case.seq),
+)
+RELATION_OF = {relation.knob: relation for relation in RELATIONS}
+
+
 def valid(coords: Coords) -> bool:
     """Whether the coordinates can hold their case (impossible ones are never probed)."""
     return coords.unsupported() is None
@@ -220,5 +250,16 @@ def value(coords: Coords, knob: str) -> Any:
     return spec.value(coords)
 
 
-__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "Categorical", "Integer", "carry", "coords_at", "kind_at",
-           "knob_dict", "moves", "valid", "value"]
+def with_value(coords: Coords, knob: str, candidate: Coords) -> Coords | None:
+    """`coords` with `knob` (categorical or integer) as it is in `candidate`; None when that is impossible."""
+    if knob in CATEGORICAL_BY_NAME:
+        return carry(coords, knob, candidate)
+    spec = next(k for k in INTEGER if k.name == knob)
+    try:
+        return spec.set(coords, spec.value(candidate))
+    except BadInput:
+        return None
+
+
+__all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "RELATIONS", "Categorical", "Integer", "Relation", "carry",
+           "coords_at", "kind_at", "knob_dict", "moves", "valid", "value", "with_value"]

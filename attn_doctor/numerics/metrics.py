@@ -41,6 +41,7 @@ class TensorMetrics:
     # Defaults: what results written before these were measured read as (no cancellation, no bias seen).
     scaled_err: float = math.nan  # ||x - ref|| / scale
     worst_head_scaled_err: float = math.nan  # the same, for the worst (batch, head) slice
+    worst_row_scaled_err: float = math.nan  # the worst (batch, position, head) row over its own terms' scale
     cancellation: float = 1.0  # ||ref|| / scale: near 0 where the exact tensor cancels
     noise_ratio: float = 1.0  # the scale of the rounding noise over `scale` (>= 1: fp32 scores, see reference)
     worst_head_noise_ratio: float = 1.0  # its largest value over the (batch, head) slices
@@ -67,10 +68,10 @@ class TensorMetrics:
 # TensorMetrics' fields by the names of `standalone.error_figures` (the standalone repro scripts' names).
 FIGURES = {"rel_err": "rel", "max_abs_err": "max_abs", "cosine": "cosine", "worst_head_rel_err": "worst_rel",
            "nan": "nan", "inf": "inf", "ref_nonfinite": "ref_nonfinite", "scaled_err": "scaled",
-           "worst_head_scaled_err": "worst", "cancellation": "cancellation", "noise_ratio": "noise",
-           "worst_head_noise_ratio": "head_noise", "bias": "bias", "bias_z": "bias_z", "head_bias": "head_bias",
-           "head_bias_z": "head_bias_z", "empty_rows": "empty_rows", "empty_rows_max": "empty_max",
-           "empty_rows_nonfinite": "empty_nonfinite"}
+           "worst_head_scaled_err": "worst", "worst_row_scaled_err": "worst_row", "cancellation": "cancellation",
+           "noise_ratio": "noise", "worst_head_noise_ratio": "head_noise", "bias": "bias", "bias_z": "bias_z",
+           "head_bias": "head_bias", "head_bias_z": "head_bias_z", "empty_rows": "empty_rows",
+           "empty_rows_max": "empty_max", "empty_rows_nonfinite": "empty_nonfinite"}
 
 
 def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tensor | None = None,

@@ -74,8 +74,10 @@ MIN_KEPT_ROWS = 256
 # Below this bound on every |score| exp needs no shift: exp(+-300) ~ 1e+-130 leaves room for the sums.
 SHIFT_FREE_BOUND = 300.0
 # A row whose exponentials sum below this lost range to the shift (none, or a loose bound on its maximum
-# score, see `_score_bound`); its block is redone with the exact maximum. exp(-645) is still a normal double.
-UNDERFLOW_SUM = 1e-280
+# score, see `_score_bound`); its block is redone with the exact maximum. Not lower: the backward divides dO
+# by the sum and squares it for the term magnitudes, and 1e-100 keeps (dO / sum)^2 finite up to |dO| ~ 1e50
+# (1e-200 overflowed them on the "outliers" inputs: NaN terms, an error of infinite size).
+UNDERFLOW_SUM = 1e-100
 
 
 @dataclass

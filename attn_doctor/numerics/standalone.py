@@ -529,6 +529,11 @@ def error_sums(x: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor | None = 
     else:
         terms = (terms[..., None].expand(*terms.shape, 2) if terms.dim() == 3 else terms).to(device=device, dtype=f64)
         head_terms = (terms if counted is None else torch.where(counted, terms, 0.0)).sum(dim=1)
+    # A row's error over its own terms' scale: the worst row says what a fault does to a row it touches, however
+    # many rows it touches (rows with no scale, such as keys nobody attends, have no such figure).
+    row_scale_sq = ref.square().sum(dim=3) + (terms[..., 0] if terms is not None else 0.0)
+    row_err_sq = torch.where(row_scale_sq > 0, diff.square().sum(dim=3) / row_scale_sq.clamp_min(1e-300), 0.0)
+    part["worst_row_sq"] = row_err_sq.max() if row_err_sq.numel() else zero.clone()
     part.update(sq_diff=diff.square().sum(), sq_ref=ref.square().sum(), sq_cand=x.square().sum(),
                 dot=(x * ref).sum(), max_abs=diff.abs().max() if diff.numel() else zero.clone(),
                 head_sq_diff=diff.square().sum(dim=(1, 3)), head_sq_ref=ref.square().sum(dim=(1, 3)),
@@ -538,16 +543,18 @@ def error_sums(x: torch.Tensor, ref: torch.Tensor, terms: torch.Tensor | None = 
     if into is None:
         return part
     for name, value in part.items():
-        into[name] = torch.maximum(into[name], value) if name in ("max_abs", "empty_max") else into[name] + value
+        into[name] = (torch.maximum(into[name], value) if name in ("max_abs", "empty_max", "worst_row_sq")
+                      else into[name] + value)
     return into
 
 
 def error_figures(sums: dict[str, torch.Tensor]) -> dict[str, float | int]:
     """A tensor's error: relative (`rel`; `worst_rel`: worst (batch, head) slice) and over the terms' scale
-    sqrt(||ref||^2 + terms), which does not vanish where the exact tensor cancels (`scaled`, `worst`;
-    `cancellation` = ||ref|| / scale); the noise's scale over it (`noise`, `head_noise`); the systematic part
-    bias = <e, r> / <r, r> and its significance bias_z (whole, and the slice of largest |z|); NaN/Inf; the
-    largest value on rows that see no key, over a compared row's RMS size."""
+    sqrt(||ref||^2 + terms), which does not vanish where the exact tensor cancels (`scaled`, `worst`; `worst_row`,
+    the worst (batch, position, head) row over its own terms' scale; `cancellation` = ||ref|| / scale); the
+    noise's scale over it (`noise`, `head_noise`); the systematic part bias = <e, r> / <r, r> and its
+    significance bias_z (whole, and the slice of largest |z|); NaN/Inf; the largest value on rows that see no key,
+    over a compared row's RMS size."""
     ref_norm, cand_norm, diff_norm = (math.sqrt(float(sums[name])) for name in ("sq_ref", "sq_cand", "sq_diff"))
     rel = safe_ratio(diff_norm, ref_norm)
     head_rel = squared_ratios(sums["head_sq_diff"], sums["head_sq_ref"])
@@ -574,6 +581,7 @@ def error_figures(sums: dict[str, torch.Tensor]) -> dict[str, float | int]:
         "nan": int(sums["nan"]), "inf": int(sums["inf"]), "ref_nonfinite": int(sums["ref_nonfinite"]),
         "scaled": safe_ratio(diff_norm, scale),
         "worst": math.sqrt(float(head_scaled.max())) if head_scaled.numel() else 0.0,
+        "worst_row": math.sqrt(float(sums["worst_row_sq"])),
         "cancellation": ref_norm / scale if scale > 0 else 1.0,
         "noise": math.sqrt(safe_ratio(float(head_noise_sq.sum()), float(head_scale_sq.sum()))) if scale > 0 else 1.0,
         "head_noise": math.sqrt(float(head_noise.max())) if head_noise.numel() else 1.0,
@@ -592,12 +600,18 @@ BIAS_Z = 8.0  # a systematic error FAILs from this significance
 BIAS_EPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 8.0}  # and from this many eps (or MULTIPLE x the baseline's)
 CANCELLED = 1 / 16  # ||exact|| below this share of the terms' scale: the tensor cancels
 EMPTY_ROW_EPS = 1.0  # rows that see no key: values up to this many eps of a compared row's size pass
+FLOAT64_U = 2.0**-53  # float64's unit roundoff
+REFERENCE_HEADROOM = 10.0  # float64's worst-case rounding must stay this far below the largest error that passes
 
 
-def judge_figures(m: dict, base: dict, dtype: str, multiple: float) -> dict:
+def judge_figures(m: dict, base: dict, dtype: str, multiple: float, accumulation: int = 0) -> dict:
     """The rule on a tensor's `error_figures` and the baseline's: `failed`, the check that fails ("nonfinite",
     "empty rows", "error", "worst head", "bias", "head bias"; "" for none), the yardsticks (the baseline's
-    error, never below rounding noise), the ratios to them, and `margin` (the deciding quantity over its limit)."""
+    error, never below rounding noise), the ratios to them, and `margin` (the deciding quantity over its limit).
+    `inconclusive` names why no verdict can be given ("" when one can): "reference" (float64 has NaN/Inf, or an
+    error cannot be measured against its terms' scale), "float64" (float64's own rounding over `accumulation`
+    terms per sum approaches the limit), "baseline" (the baseline itself has NaN/Inf where float64 has none, so
+    its error is no yardstick; a verdict on the candidate's own NaN/Inf or empty rows needs none)."""
     floor = NOISE_EPS[dtype] * EPS[dtype]
     noise, head_noise = floor * m["noise"], floor * m["head_noise"]
     yardstick, head_yardstick = max(base["scaled"], noise), max(base["worst"], head_noise)
@@ -622,6 +636,16 @@ def judge_figures(m: dict, base: dict, dtype: str, multiple: float) -> dict:
             if abs(z) >= BIAS_Z and abs(bias) >= limit:
                 found.update(failed=check, margin=abs(bias) / limit, bias=bias, bias_z=z, bias_limit=limit)
                 break
+    found["inconclusive"] = ""
+    # The baseline shares the reference: an error of its that cannot be sized (a scale of NaN or 0 under a
+    # nonzero error) means the yardstick is broken; a candidate's infinite error over an exact zero is a fault.
+    measurable = all(math.isfinite(base[name]) and not math.isnan(m[name]) for name in ("scaled", "worst"))
+    if m["ref_nonfinite"] or base["ref_nonfinite"] or not measurable:
+        found["inconclusive"] = "reference"
+    elif accumulation * FLOAT64_U * REFERENCE_HEADROOM >= multiple * min(yardstick, head_yardstick):
+        found["inconclusive"] = "float64"
+    elif base["nan"] + base["inf"] and found["failed"] not in ("nonfinite", "empty rows"):
+        found["inconclusive"] = "baseline"
     return found
 
 

@@ -29,7 +29,8 @@ table{border-collapse:collapse;margin:1em 0;font-size:0.9em}
 th,td{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f3f3f3;cursor:pointer;user-select:none}
 td.num{text-align:right;font-family:ui-monospace,monospace}
-tr.FAIL td{background:#fde8e8} tr.ERROR td{background:#f6e6fa} tr.SKIP td{color:#888}
+tr.FAIL td{background:#fde8e8} tr.ERROR td{background:#f6e6fa} tr.INCONCLUSIVE td{background:#fdf6e0}
+tr.SKIP td{color:#888}
 .FAILcell{color:#b00;font-weight:bold} .verdict{font-weight:bold}
 pre{background:#f7f7f7;padding:8px;overflow-x:auto}
 """
@@ -110,8 +111,8 @@ def _depth_table(rows: list[Row]) -> str:
 
 def _bisect_html(bisect: BisectRecord) -> str:
     """What a bisect found: the minimal case, the conditions it needs, its diagnosis and its repro, folded."""
-    conditions = "".join(f"<li>{escape(c.knob)}: fails at {escape(str(c.failing_value))}, passes at "
-                         f"{escape(str(c.passing_value))}</li>" for c in bisect.necessary)
+    conditions = "".join(f"<li>{escape(c.knob)}: {escape(c.clause())}</li>" for c in bisect.necessary)
+    changes = "".join(f"<li>{escape(c.sentence())}</li>" for c in bisect.changes)
     facts = "".join(f"<li>{escape(label)}: {escape(str(value))}</li>" for label, value in (
         ("First wrong", bisect.diagnosis.get("first_wrong")),
         ("Checked on a correct path", bisect.diagnosis.get("minimal_case_checked"))) if value)
@@ -121,6 +122,8 @@ def _bisect_html(bisect: BisectRecord) -> str:
             f"<strong>{escape(bisect.minimal.describe())}</strong>, which still fails the same way.</p>"
             + (f"<p>Necessary conditions:</p><ul>{conditions}</ul>" if conditions else
                "<p>No condition is necessary among the knobs attn-doctor turns.</p>")
+            + (f"<p>Simplifications that changed the failure (neither a condition nor kept):</p><ul>{changes}</ul>"
+               if changes else "")
             + (f"<ul>{facts}</ul>" if facts else "") + repro)
 
 

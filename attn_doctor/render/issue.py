@@ -92,7 +92,9 @@ def amount(value: float) -> str:
 
 def condition_text(condition: Condition) -> str:
     """A necessary condition in a few words: "layout transposed", "seq ≥ 2" (an integer knob that passes
-    just below its failing value; one that was skipped or failed differently there is named as it is)."""
+    just below its failing value), a relation as it is: "seq > seq_kv"."""
+    if condition.relation:
+        return condition.relation
     failing, passing = condition.failing_value, str(condition.passing_value)
     below = re.fullmatch(r"\d+", passing)
     if isinstance(failing, int) and below and int(passing) < failing:

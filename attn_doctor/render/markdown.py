@@ -57,7 +57,7 @@ def tensor_text(row: Row, name: str) -> str:
 
 
 def _verdict(row: Row) -> str:
-    return f"**{row.verdict}**" if row.verdict in ("FAIL", "ERROR") else row.verdict
+    return f"**{row.verdict}**" if row.verdict in ("FAIL", "ERROR", "INCONCLUSIVE") else row.verdict
 
 
 def _repeats(row: Row) -> str:
@@ -77,7 +77,7 @@ def results_markdown(rows: list[Row], only_failing: bool = False) -> str:
         ["repeats"] if repeated else []) + ["verdict"]
     body = []
     for row, layout in sort_rows(display_rows(shown_rows)):
-        if only_failing and row.verdict not in ("FAIL", "ERROR"):
+        if only_failing and row.verdict not in ("FAIL", "ERROR", "INCONCLUSIVE"):
             continue
         ran = row.ran if row.tensors else ("skipped, see below" if row.verdict == "SKIP" else row.reason)
         knobs = row.case.short() + row.coords.text()
@@ -89,10 +89,13 @@ def results_markdown(rows: list[Row], only_failing: bool = False) -> str:
 
 
 def counts_markdown(rows: list[Row]) -> str:
-    """How many rows of each backend pass, fail, crash and are skipped."""
-    body = [[escape(t.backend), str(t.passed), str(t.failed), str(t.errors), str(t.skipped)]
-            for t in tally(call_rows(rows))]
-    return table(["backend", "PASS", "FAIL", "ERROR", "SKIP"], body) if body else ""
+    """How many rows of each backend pass, fail, crash, could not be judged and are skipped."""
+    tallies = tally(call_rows(rows))
+    undecided = any(t.inconclusive for t in tallies)
+    body = [[escape(t.backend), str(t.passed), str(t.failed), str(t.errors)]
+            + ([str(t.inconclusive)] if undecided else []) + [str(t.skipped)] for t in tallies]
+    header = ["backend", "PASS", "FAIL", "ERROR"] + (["INCONCLUSIVE"] if undecided else []) + ["SKIP"]
+    return table(header, body) if body else ""
 
 
 def depth_markdown(rows: list[Row]) -> str:
@@ -142,14 +145,14 @@ def report_markdown(data: ReportData) -> str:
     reproduce = Section(["### Reproduce", ""], [f"{FENCE}bash\n{command}\n{FENCE}" for command in data.repro_commands],
                          [""], share=0.10)
     whys = []
-    for row in failing:
+    for row in [*failing, *data.undecided]:
         head = f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())})"
-        failed = [(name, t.why) for name, t in row.tensors.items() if t.verdict == "FAIL" and t.why]
+        failed = [(name, t.why) for name, t in row.tensors.items() if t.verdict == row.verdict and t.why]
         # one entry per row: each failing tensor's error, its yardstick, and why that yardstick
         whys.append("\n".join([f"{head}:"] + [f"  - {name}: {escape(why)}" for name, why in failed]) if failed
                     else f"{head}: {escape(row.reason)}")
-    whys = Section(["<details><summary>Why each failing row failed</summary>", ""], whys, ["", "</details>", ""],
-                    share=0.15)
+    title = "Why each failing row failed" + (", and why some could not be judged" if data.undecided else "")
+    whys = Section([f"<details><summary>{title}</summary>", ""], whys, ["", "</details>", ""], share=0.15)
     skipped = Section(["<details><summary>Skipped paths and why</summary>", ""], [
         f"- {escape(row.backend)} ({'all layouts' if layout == 'all' else escape(layout)}): {escape(row.reason)}"
         for row, layout in data.skipped], ["", "</details>", ""], share=0.10)
@@ -184,11 +187,13 @@ def bisect_lines(bisect: BisectRecord) -> list[str]:
               f"**{escape(bisect.minimal.describe())}**, which still fails the same way."), ""]
     if bisect.necessary:
         lines += ["Necessary conditions (simplifying any one of them makes the failure go away):", ""]
-        lines += [f"- {escape(c.knob)}: fails at {escape(c.failing_value)}, passes at {escape(c.passing_value)}"
-                  for c in bisect.necessary]
+        lines += [f"- {escape(c.knob)}: {escape(c.clause())}" for c in bisect.necessary]
     else:
         lines.append("No condition is necessary among the knobs attn-doctor turns: it fails on the plainest case "
                      "tried.")
+    if bisect.changes:
+        lines += ["", "Simplifications that changed the failure instead of removing it (not conditions):", ""]
+        lines += [f"- {escape(c.sentence())}" for c in bisect.changes]
     lines.append("")
     facts = [("First wrong", bisect.diagnosis.get("first_wrong")),
              ("Checked on a correct path", bisect.diagnosis.get("minimal_case_checked")),
@@ -216,7 +221,7 @@ def _results_section(rows: list[Row]) -> Section | None:
              "ratio to the Megatron-local baseline's error on the same inputs; ε is the dtype's machine epsilon. "
              f"{rule_sentence()} {CANCELLED_NOTE}.") + (f" {REPEATS_NOTE}" if has_repeats(rows) else ""), ""]
     failing = results_markdown(rows, only_failing=True).split("\n")
-    passing = sum(1 for row in call_rows(rows) if row.verdict not in ("FAIL", "ERROR"))
+    passing = sum(1 for row in call_rows(rows) if row.verdict not in ("FAIL", "ERROR", "INCONCLUSIVE"))
     fold_note = (f"_{passing} passing and skipped rows are folded into these counts to fit GitHub's "
                  f"{GITHUB_LIMIT:,}-character limit (`attn-doctor report RESULTS --format html` shows every row):_")
     counts = ["", fold_note, "", counts_markdown(rows), ""]

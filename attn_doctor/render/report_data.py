@@ -29,7 +29,7 @@ from attn_doctor.verdict.rule import (
     TensorVerdict,
 )
 
-FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "PASS": 2, "SKIP": 3}
+FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "INCONCLUSIVE": 2, "PASS": 3, "SKIP": 4}
 
 
 @dataclass
@@ -48,6 +48,11 @@ class ReportData:
     @property
     def failing(self) -> list[Row]:
         return [row for row in self.report.rows if row.verdict in ("FAIL", "ERROR")]
+
+    @property
+    def undecided(self) -> list[Row]:
+        """The rows that could not be judged (INCONCLUSIVE): each says why, and which check would decide."""
+        return [row for row in self.report.rows if row.verdict == "INCONCLUSIVE"]
 
     @property
     def repro_commands(self) -> list[str]:

@@ -30,7 +30,8 @@ from attn_doctor.render.report_data import tensor_names
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import TENSORS, floor_text, multiple_text
 
-VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold magenta", "SKIP": "dim"}
+VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold magenta", "INCONCLUSIVE": "bold yellow",
+                 "SKIP": "dim"}
 
 
 def _table(title: str | None = None, caption: str | None = None) -> Table:
@@ -115,10 +116,11 @@ def ran_lines(rows: list[Row]) -> list[Text]:
 
 
 def notes_lines(rows: list[Row]) -> list[Text]:
-    """The reasons of SKIP and ERROR rows, one line each, for under the table."""
+    """The reasons of SKIP and ERROR rows, and of rows that could not be judged, one line each, for under the
+    table."""
     lines = []
     for row, layout in display_rows(rows):
-        if row.verdict in ("SKIP", "ERROR") and not row.tensors:
+        if row.verdict in ("SKIP", "ERROR") and not row.tensors or row.verdict == "INCONCLUSIVE":
             where = "all layouts" if layout == "all" else layout
             style = VERDICT_STYLE.get(row.verdict, "")
             lines.append(Text.assemble((f"{row.verdict} ", style), f"{row.backend} ({where}): {row.reason}"))
@@ -215,16 +217,19 @@ def run_view(report, title: str, wide: bool = False) -> list:
 
 
 def tally_table(tallies) -> Table:
-    """Per backend: rows passing / failing / erroring / skipped, and the failing cases."""
+    """Per backend: rows passing / failing / erroring / could not be judged (when any) / skipped, and the failing
+    cases."""
     table = _table("sweep summary")
-    for name in ("backend", "pass", "fail", "error", "skip"):
+    undecided = any(t.inconclusive for t in tallies)
+    for name in ("backend", "pass", "fail", "error", *(["unsure"] if undecided else []), "skip"):
         table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=name != "backend",
                          overflow="fold")
     table.add_column("failing cases", ratio=1, overflow="fold")
     for t in tallies:
         failing = "\n".join(t.failing_cases[:8]) + (f"\n… {len(t.failing_cases) - 8} more" if len(t.failing_cases) > 8 else "")
+        unsure = [Text(str(t.inconclusive), style="yellow" if t.inconclusive else "")] if undecided else []
         table.add_row(t.backend, str(t.passed), Text(str(t.failed), style="red" if t.failed else ""),
-                      Text(str(t.errors), style="magenta" if t.errors else ""), str(t.skipped), failing)
+                      Text(str(t.errors), style="magenta" if t.errors else ""), *unsure, str(t.skipped), failing)
     return table
 
 
@@ -281,6 +286,9 @@ def bisect_tables(result, backend: str, diagnosis: dict) -> list:
         lines += [Text(f"  {c.sentence()}") for c in result.necessary]
     else:
         lines.append(Text("necessary conditions: none — it fails on the plainest case tried", style="bold"))
+    if result.changes:
+        lines.append(Text("changed the failure instead of removing it (not conditions):", style="bold"))
+        lines += [Text(f"  {c.sentence()}") for c in result.changes]
     lines.append(Text(f"first wrong: {diagnosis.get('first_wrong')}"))
     if diagnosis.get("minimal_case_checked"):
         lines.append(Text(f"minimal case checked on a correct path: {diagnosis['minimal_case_checked']}"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from attn_doctor.verdict.rule import (
 )
 
 BISECT_FORMAT = "attn-doctor/bisect"
-BISECT_FORMAT_VERSION = 1
+BISECT_FORMAT_VERSION = 2  # 2: conditions may carry a relation; "changes" lists knobs that changed the failure
 BISECT_KEYS = ("start_case", "minimal_case", "necessary", "probes")  # what every bisect document has
 REPRO_NAME = re.compile(r"repro_[\w.-]+\.py")  # `attn_doctor.bisect.repro.repro_name`
 NOTE_CHARS = 200  # a probe's note is cut at this many characters
@@ -52,14 +52,42 @@ class Step:
 
 @dataclass(frozen=True)
 class Condition:
-    """A necessary condition: the knob fails at one value and passes at the plainer one."""
+    """A necessary condition: the knob fails at one value and passes at the plainer one. A `relation` ("seq >
+    seq_kv") is a boundary that moves with another length: the values then name both lengths."""
 
     knob: str
     failing_value: object
     passing_value: object
+    relation: str = ""
 
     def sentence(self) -> str:
+        if self.relation:
+            return self.clause()
         return f"fails at {self.knob} {self.failing_value}, passes at {self.passing_value}"
+
+    def clause(self) -> str:
+        """The sentence after "knob: " (a list of conditions names each knob first)."""
+        if self.relation:
+            return f"fails when {self.relation} ({self.failing_value}), passes at {self.passing_value}"
+        return f"fails at {self.failing_value}, passes at {self.passing_value}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"knob": self.knob, "failing_value": self.failing_value, "passing_value": self.passing_value}
+        return {**d, "relation": self.relation} if self.relation else d
+
+
+@dataclass(frozen=True)
+class Change:
+    """A simplification that neither kept the failure nor made it go away: the case failed differently (what
+    changed), crashed or could not run there; or a condition whose confirming rerun disagreed. Never a
+    necessary condition: it says only that the knob changes what happens."""
+
+    knob: str
+    tried: str
+    what: str
+
+    def sentence(self) -> str:
+        return f"{self.knob} {self.tried}: {self.what}"
 
 
 @dataclass
@@ -78,6 +106,7 @@ class BisectRecord:
     tool_version: str = ""
     created: str = ""
     rebuilt: bool = False  # an older document: the rows were rebuilt from the probes' notes
+    changes: list[Change] = field(default_factory=list)  # knobs that changed the failure (not conditions)
 
     @property
     def tested(self) -> str:
@@ -124,7 +153,9 @@ def read_bisect(document: dict[str, Any], path: Path) -> BisectRecord:
     try:
         spec = _backend_spec(document)
         start, minimal = _coords(document["start_case"], spec), _coords(document["minimal_case"], spec)
-        necessary = [Condition(str(c["knob"]), c["failing_value"], c["passing_value"]) for c in document["necessary"]]
+        necessary = [Condition(str(c["knob"]), c["failing_value"], c["passing_value"], str(c.get("relation", "")))
+                     for c in document["necessary"]]
+        changes = [Change(str(c["knob"]), str(c["tried"]), str(c["what"])) for c in document.get("changes") or []]
         probes = [Step(str(p["knob"]), str(p["tried"]), str(p["config"]), str(p["verdict"]), bool(p["fails"]),
                       str(p.get("note", ""))) for p in document["probes"]]
         diagnosis = dict(document.get("diagnosis") or {})
@@ -138,7 +169,7 @@ def read_bisect(document: dict[str, Any], path: Path) -> BisectRecord:
     repro = _read_repro(path.parent, recorded_repro)
     record = BisectRecord(path, start, minimal, necessary, probes, diagnosis, repro_name, repro, rows, env,
                           command=str(document.get("command", "")), tool_version=str(document.get("tool_version", "")),
-                          created=str(document.get("created", "")))
+                          created=str(document.get("created", "")), changes=changes)
     if "results" not in document:
         _rebuild(record)
     return record

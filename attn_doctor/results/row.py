@@ -127,6 +127,8 @@ def _tensor_verdict(name: str, d: dict[str, Any]) -> TensorVerdict:
         elif key in ("bias_failed", "borderline"):
             if not isinstance(value, bool):
                 raise ValueError(f"tensor {name}: {key} is {value!r}, not true or false")
+        elif key == "worst_row_err" and value is None:
+            continue
         elif not isinstance(value, numbers.Real) or isinstance(value, bool):
             raise ValueError(f"tensor {name}: {key} is {value!r}, not a number")
     return verdict

@@ -11,7 +11,7 @@ from typing import Any
 
 from attn_doctor.backends import BASELINE
 from attn_doctor.verdict.depth import depth_findings, depth_lines, depth_sentence
-from attn_doctor.verdict.rule import BORDERLINE, ERROR, FAIL, NOISE_YARDSTICK, PASS, SKIP
+from attn_doctor.verdict.rule import BORDERLINE, ERROR, FAIL, INCONCLUSIVE, NOISE_YARDSTICK, PASS, SKIP
 from attn_doctor.verdict.view import RowView
 
 
@@ -130,11 +130,14 @@ def untested(rows: list[RowView], requested: list[str] | None) -> str | None:
 def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
     """The run's conclusion in one paragraph: the faulty paths (or that all agree), attn-doctor's own
     errors, and for depth probes how the error grows with depth."""
-    tested = [row for row in rows if row.verdict in (PASS, FAIL, ERROR)]
+    tested = [row for row in rows if row.verdict in (PASS, FAIL, ERROR, INCONCLUSIVE)]
     faulty = find_faulty(rows)
+    undecided = undecided_text(rows)
     if untested(rows, requested) is not None:
         text = "No requested path could run here: every one was skipped." if tested else \
             "No backend could run here: every row was skipped."
+    elif not faulty and undecided:
+        text = undecided
     elif not faulty:
         text = f"All {len(tested)} tested paths agree with float64 as closely as a correct implementation in this dtype."
         close = borderline_passes(rows)
@@ -164,6 +167,8 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
         if any(f.borderline for f in faulty):
             text += (f" A borderline failure is within {BORDERLINE:g}x of the threshold: {CONFIRM} before "
                      "calling it a fault.")
+        if undecided:
+            text += f" {undecided}"
     internal = [row for row in rows if row.verdict == ERROR and row.internal]
     if internal:
         names = ", ".join(dict.fromkeys(row.backend for row in internal))
@@ -174,6 +179,20 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
 
 
 CONFIRM = "confirm with --repeats 5, another --seed, or --dtype fp32"
+
+
+def undecided_text(rows: list[RowView]) -> str:
+    """One sentence on the paths that could not be judged (INCONCLUSIVE), with why ("" when none): the
+    reasons are in the rows; the sentence names the paths and the first reason's kind."""
+    undecided = [row for row in rows if row.verdict == INCONCLUSIVE]
+    if not undecided:
+        return ""
+    paths = ", ".join(dict.fromkeys(row.backend for row in undecided))
+    why = next(t.why for row in undecided for t in row.tensors.values() if t.verdict == INCONCLUSIVE)
+    because = why.removeprefix("cannot tell: ").split(";")[0]
+    more = " (and more; see the rows)" if len(undecided) > 1 else ""
+    return (f"Cannot tell for {paths}: {because}{more}. A path that could not be judged is not a pass; "
+            "each row says which check would decide.")
 
 
 def borderline_passes(rows: list[RowView]) -> list[str]:
@@ -187,9 +206,9 @@ def borderline_passes(rows: list[RowView]) -> list[str]:
 
 
 def exit_code(rows: list[RowView], requested: list[str] | None = None) -> int:
-    """0 every tested path passes; 1 a path FAILs or ERRORs; 2 nothing the user asked for was tested
-    (a request that cannot run here: never 0)."""
-    if any(row.verdict in (FAIL, ERROR) for row in rows):
+    """0 every tested path passes; 1 a path FAILs or ERRORs, or could not be judged (INCONCLUSIVE); 2 nothing
+    the user asked for was tested (a request that cannot run here: never 0)."""
+    if any(row.verdict in (FAIL, ERROR, INCONCLUSIVE) for row in rows):
         return 1
     return 2 if untested(rows, requested) is not None else 0
 
@@ -202,6 +221,7 @@ class BackendTally:
     errors: int
     skipped: int
     failing_cases: list[str] = field(default_factory=list)
+    inconclusive: int = 0
 
 
 def tally(rows: list[RowView]) -> list[BackendTally]:
@@ -221,5 +241,5 @@ def tally(rows: list[RowView]) -> list[BackendTally]:
         row = counts.loc[backend]
         failing = frame[(frame.backend == backend) & frame.verdict.isin(["FAIL", "ERROR"])]["knobs"].tolist()
         out.append(BackendTally(backend, int(row.get("PASS", 0)), int(row.get("FAIL", 0)), int(row.get("ERROR", 0)),
-                                int(row.get("SKIP", 0)), failing))
+                                int(row.get("SKIP", 0)), failing, int(row.get(INCONCLUSIVE, 0))))
     return out

@@ -1,17 +1,39 @@
-"""Measured rows -> per-tensor verdicts, each row against the baseline row of the same inputs."""
+"""Measured rows -> per-tensor verdicts, each row against the baseline row of the same inputs, and against the
+other paths run on them (the baseline must not be out of line with them: `attn_doctor.verdict.rule`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import statistics
+from collections import defaultdict
+
 from attn_doctor.backends import BASELINE
 from attn_doctor.core.coords import ProbeKind
-from attn_doctor.verdict.rule import ERROR, FAIL, PASS, combine, judge_tensor
+from attn_doctor.numerics.standalone import EPS, MULTIPLE, judge_figures
+from attn_doctor.verdict.rule import (
+    ERROR,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    TensorVerdict,
+    accumulation,
+    combine,
+    figures_of,
+    judge_tensor,
+)
 from attn_doctor.verdict.view import RowView
+
+# The fewest other paths (of families other than the judged one's) whose median error is a second opinion.
+PEERS = 2
 
 
 def judge(rows: list[RowView]) -> list[RowView]:
     """Fill each measured row's per-tensor verdicts against the baseline row with its baseline key (see
     `Coords.baseline_key`); a measured row without one is an ERROR (never judged against nothing)."""
     baselines = {row.coords.baseline_key(): row for row in rows if row.metrics and row.coords.is_baseline(BASELINE)}
+    groups: dict[tuple, list[RowView]] = defaultdict(list)
+    judged = []
     for row in rows:
         if not row.metrics:
             continue  # SKIP and ERROR rows keep the verdict the probe gave them
@@ -21,16 +43,76 @@ def judge(rows: list[RowView]) -> list[RowView]:
             row.reason = "no baseline: the local baseline did not run on these inputs"
             continue
         row.tensors = {
-            name: judge_tensor(name, metrics, base.metrics[name], row.case.dtype)
+            name: judge_tensor(name, metrics, base.metrics[name], row.case.dtype, accumulation(row.case, name))
             for name, metrics in row.metrics.items()
             if name in base.metrics
         }
+        judged.append(row)
+        if row.coords.kind is not ProbeKind.DEPTH:  # a stack's yardstick is the baseline stack, by design
+            groups[row.coords.baseline_key()].append(row)
+    for key, group in groups.items():
+        against_peers(group, baselines[key])
+    for row in judged:
         row.verdict = combine([t.verdict for t in row.tensors.values()])
         if row.verdict == FAIL:
             row.reason = "; ".join(f"{name}: {t.why}" for name, t in row.tensors.items() if t.verdict == FAIL)
+        elif row.verdict == INCONCLUSIVE:
+            row.reason = undecided_reason(row.tensors)
         if row.coords.kind is ProbeKind.DISTRIBUTED:
             apply_rank_verdicts(row)
     return rows
+
+
+def undecided_reason(tensors: dict[str, TensorVerdict]) -> str:
+    """Why a row could not be judged: the first undecided tensor's reason, naming the others (each tensor's
+    own reason, with its own figures, stays on the tensor)."""
+    names = [name for name, t in tensors.items() if t.verdict == INCONCLUSIVE]
+    also = f" (likewise {', '.join(names[1:])}: see each tensor)" if len(names) > 1 else ""
+    return f"{names[0]}: {tensors[names[0]].why}{also}"
+
+
+def against_peers(group: list[RowView], base: RowView) -> None:
+    """A tensor that FAILs against the baseline but passes against the median error of the other paths on the
+    same inputs (other families only, one figure per path, at least PEERS of them) is INCONCLUSIVE: the baseline
+    is out of line with those paths (see `attn_doctor.verdict.rule`)."""
+    for row in group:
+        if row is base:
+            continue
+        peers: dict[str, list[RowView]] = defaultdict(list)
+        for other in group:
+            if other is not base and other.backend != row.backend and other.family != row.family:
+                peers[other.backend].append(other)
+        for name, verdict in list(row.tensors.items()):
+            if verdict.verdict != FAIL:
+                continue
+            by_path = {path: _median([figures_of(r.metrics[name])["scaled"] for r in found if name in r.metrics])
+                       for path, found in peers.items()}
+            by_path = {path: e for path, e in by_path.items() if not math.isnan(e)}
+            if len(by_path) < PEERS:
+                continue
+            worst = _median([_median([figures_of(r.metrics[name])["worst"] for r in peers[path] if name in r.metrics])
+                             for path in by_path])
+            second = {**figures_of(base.metrics[name]), "scaled": _median(list(by_path.values())), "worst": worst}
+            kind = name.split("_")[0]
+            other = judge_figures(figures_of(row.metrics[name]), second, row.case.dtype, MULTIPLE[kind])
+            if not other["failed"]:
+                row.tensors[name] = dataclasses.replace(verdict, verdict=INCONCLUSIVE, why=_peers_why(
+                    verdict, other, second, sorted(by_path), row.case.dtype))
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def _peers_why(verdict: TensorVerdict, other: dict, second: dict, paths: list[str], dtype: str) -> str:
+    eps = EPS[dtype]
+    ratio = max(other["ratio"], other["head_ratio"])
+    return (f"cannot tell: it fails against the local baseline ({verdict.ratio:.2g}x its yardstick, "
+            f"{verdict.yardstick / eps:.2g} eps) but passes against the median error of the {len(paths)} other paths "
+            f"on these inputs ({', '.join(paths)}: {second['scaled'] / eps:.2g} eps; {ratio:.2g}x): the baseline is "
+            "out of line with them; check: the same paths on other seeds (--seed 1,2,3): a fault stays out of line "
+            "with every correct path")
 
 
 def apply_rank_verdicts(row: RowView) -> RowView:

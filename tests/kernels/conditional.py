@@ -93,7 +93,7 @@ def head_dim_gt_40(q, k, v, *, causal: bool, softmax_scale: float):
 
 
 class _ScaledGradient(torch.autograd.Function):
-    """Identity forward; the gradient scaled by `factor` in the backward."""
+    """Identity forward; the gradient scaled by `factor` (a number, or a tensor that broadcasts) in the backward."""
 
     @staticmethod
     def forward(ctx, x, factor):
@@ -118,3 +118,44 @@ def flash_dq_seq_ge_256(q, k, v, *, causal: bool, softmax_scale: float):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=softmax_scale)
     return out.transpose(1, 2)
+
+
+# --- faults confined to some tokens or heads (issue 33): how much of the tensor they touch changes with the
+# case, what they do to a row they touch does not ---------------------------------------------------------
+
+LATE_TOKENS = 512  # query positions from here on are wrong
+LATE_HEADS = 2  # heads from this index on are wrong
+
+
+def _late(q) -> torch.Tensor:
+    return torch.arange(q.shape[1], device=q.device) >= LATE_TOKENS
+
+
+def _late_heads(q) -> torch.Tensor:
+    return torch.arange(q.shape[2], device=q.device) >= LATE_HEADS
+
+
+def late_tokens_dq_zero(q, k, v, *, causal: bool, softmax_scale: float):
+    """dq is zero for query positions from 512 on (a pure sequence-length fault: fails from seq 513)."""
+    q = _ScaledGradient.apply(q, (~_late(q)).to(q.dtype)[None, :, None, None])
+    return correct(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def late_heads_out_zero(q, k, v, *, causal: bool, softmax_scale: float):
+    """out is zero for heads from index 2 on (a pure head-count fault: fails from 3 heads)."""
+    out = correct(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return out.masked_fill(_late_heads(q)[None, None, :, None], 0.0)
+
+
+def late_tokens_and_heads_out_zero(q, k, v, *, causal: bool, softmax_scale: float):
+    """out is zero at query positions from 512 on of heads from index 2 on: both conditions needed."""
+    out = correct(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    rows = _late(q)[:, None] & _late_heads(q)[None, :]
+    return out.masked_fill(rows[None, :, :, None], 0.0)
+
+
+def fewer_keys_than_queries(q, k, v, *, causal: bool, softmax_scale: float):
+    """out 5% too large whenever seq_kv < seq (as TE's unfused path was for cross-attention with fewer keys):
+    a relation between two lengths, not a threshold on either."""
+    trigger = k.shape[1] < q.shape[1]
+    return _attend(q, k, v, causal, softmax_scale, "out" if trigger else None)
