@@ -116,8 +116,8 @@ def test_subprocess_probe_without_te():
 @pytest.mark.skipif(HAS_TE, reason="Transformer Engine is installed here")
 def test_probe_loaded_te_without_te():
     facts = loaded_te_facts()
-    assert set(facts) == {"te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "error"}
-    assert facts["te_cudnn"] is None
+    assert set(facts) == {"te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "te_cudnn_libraries", "error"}
+    assert facts["te_cudnn"] is None and facts["te_cudnn_libraries"] is None
     assert facts["error"].startswith("ModuleNotFoundError")
     json.dumps(facts)
 

@@ -234,8 +234,8 @@ def test_the_workers_jobs_carry_the_repeat_count(small_case, monkeypatch):
     jobs = []
 
     class Recorder:
-        def __init__(self, family, device, timeout_s):
-            self.family, self.hello, self.startup_seconds = family, {}, 0.0
+        def __init__(self, family, device, timeout_s, environment=None):
+            self.family, self.hello, self.startup_seconds, self.environment = family, {}, 0.0, environment or {}
 
         def ensure_started(self):
             return None

@@ -10,7 +10,7 @@ from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, Path
 from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
 from attn_doctor.backends.sdpa import SdpaKernel
-from attn_doctor.backends.te import TEAttention
+from attn_doctor.backends.te import CUDNN_MARK, TEAttention
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
 
@@ -48,10 +48,37 @@ def path_names() -> tuple[str, ...]:
     return tuple(names)
 
 
-def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...] = ()) -> list[BackendSpec]:
+def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...] = (),
+           cudnn: str | None = None) -> list[BackendSpec]:
     """The specs a user asked for: --backend NAME (a row name, or a family for all its rows; all built-ins
-    when neither --backend nor --kernel is given) and --kernel [NAME=]TARGET:FUNC. Unknown names and a
-    kernel name that is taken are bad input."""
+    when neither --backend nor --kernel is given), --kernel [NAME=]TARGET:FUNC, and --cudnn B1,B2 (each path
+    whose process loads cuDNN, once per build: `with_cudnn`). Unknown names, a kernel name that is taken and
+    a cuDNN build that is not here are bad input."""
+    specs = _select(names, kernels)
+    return with_cudnn(specs, [part.strip() for part in cudnn.split(",") if part.strip()]) if cudnn else specs
+
+
+def with_cudnn(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpec]:
+    """Each spec whose process loads cuDNN (TE's paths), once per requested build (a version or a path, see
+    `attn_doctor.machine.cudnn_builds.resolve`), named "te.fused@cudnn-9.19.0"; the others as they are."""
+    from attn_doctor.machine.cudnn_builds import find_builds, resolve
+
+    if not any(backend_class(spec).loads_cudnn for spec in specs):
+        raise BadInput("--cudnn picks the cuDNN build TE's paths load, and none is selected; add --backend te")
+    found = find_builds()
+    builds = list({build.directory: build for build in (resolve(request, found) for request in requests)}.values())
+    return [on_build(spec, build) if backend_class(spec).loads_cudnn else spec
+            for spec in specs for build in (builds if backend_class(spec).loads_cudnn else [None])]
+
+
+def on_build(spec: BackendSpec, build) -> BackendSpec:
+    """`spec` (a path whose process loads cuDNN) on the cuDNN build `build` (a `CudnnBuild`), named for it."""
+    name = spec.name.split(CUDNN_MARK)[0]
+    label = build.version or build.directory.rstrip("/").rsplit("/", 1)[-1]
+    return BackendSpec(f"{name}{CUDNN_MARK}{label}", spec.family, {**spec.options, "cudnn": build.to_dict()})
+
+
+def _select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...]) -> list[BackendSpec]:
     kernel_specs = [parse_kernel_spec(text) for text in kernels]
     chosen: list[BackendSpec] = []
     known = {spec.name: spec for spec in builtin_specs()}
@@ -108,6 +135,15 @@ def match_context(spec: BackendSpec) -> dict:
     return backend_class(spec).match_context(spec)
 
 
+def process_of(spec: BackendSpec) -> tuple[str, dict[str, str]]:
+    """The worker process a spec runs in: a key naming it ("te", or "te with cuDNN from DIR") and the
+    variables it starts with."""
+    environment = backend_class(spec).process_environment(spec)
+    cudnn = spec.options.get("cudnn")
+    key = f"{spec.family} with cuDNN from {cudnn['directory']}" if environment and cudnn else spec.family
+    return key, environment
+
+
 def prepare_process(family: str) -> dict:
     """Run a family's process preparation (first thing in a worker or rank process); facts it reports."""
     return REGISTRY[family].prepare_process()
@@ -115,4 +151,5 @@ def prepare_process(family: str) -> dict:
 
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
-           "repro_source", "match_format", "match_context", "prepare_process"]
+           "repro_source", "match_format", "match_context", "prepare_process", "process_of", "with_cudnn",
+           "on_build", "CUDNN_MARK"]

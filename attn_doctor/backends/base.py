@@ -87,6 +87,7 @@ class Backend(ABC):
     # How `attend_at` computes a CP rank's queries (shown with distributed results).
     cp_method: ClassVar[str] = "queries at their global positions in a zero-padded causal sequence"
     own_parallelism: ClassVar[bool] = False  # the library splits heads and sequence itself (`run_parallel`)
+    loads_cudnn: ClassVar[bool] = False  # `--cudnn` picks the cuDNN build its process loads (`process_environment`)
     # The paths a family always offers, (name, options) each; `paths` may work out others at run time.
     fixed_paths: ClassVar[tuple[tuple[str, dict[str, Any]], ...]] = ()
 
@@ -114,6 +115,12 @@ class Backend(ABC):
     @classmethod
     def selector(cls, spec: BackendSpec) -> str:
         return f"--backend {shlex.quote(spec.name)}"
+
+    @classmethod
+    def process_environment(cls, spec: BackendSpec) -> dict[str, str]:
+        """Variables the process that runs `spec` must start with (a cuDNN build TE is to load); {} for none.
+        Specs that need different ones run in different worker processes."""
+        return {}
 
     @classmethod
     def match_context(cls, spec: BackendSpec) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import shlex
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -63,6 +64,7 @@ KERNEL_MODULES = {"use_flash_attention": ("flash_attention", "FlashAttention"),
 # TE 2.15 and only when both sequence lengths are <= 512. The max512 sub-backend was removed in 2.16 (#2949).
 FUSED_SUB_BACKENDS = {"0": "F16_max512_seqlen", "1": "F16_arbitrary_seqlen", "2": "FP8"}
 LAST_TE_WITH_SUB_BACKEND_CHOICE = (2, 15)
+CUDNN_MARK = "@cudnn-"  # a path run on a chosen cuDNN build: "te.fused@cudnn-9.19.0" (`backends.with_cudnn`)
 NO_BACKEND_MESSAGE = "No dot product attention backend is available"
 # TE's unfused path runs FP8 attention only as an emulation, behind this variable (TE 2.x).
 UNFUSED_FP8_EMULATION = "NVTE_UnfusedDPA_Emulate_FP8"
@@ -128,6 +130,7 @@ class _TE:
 
 _te: _TE | None = None
 _import_error: str | None = None  # why `prepare_process` could not import TE in this process
+_te_facts: dict = {}  # what `prepare_process` read of the TE it loaded (versions, cuDNN and its files)
 
 
 def load_te() -> _TE:
@@ -278,6 +281,7 @@ class TEAttention(Backend):
     match_format = "sbhd"  # the format known-defect rules about TE are matched with: the one these paths use
     own_parallelism = True
     cp_method = "TE's own CP"
+    loads_cudnn = True
 
     # -- in the parent --
 
@@ -310,6 +314,22 @@ class TEAttention(Backend):
         return {"deterministic": True} if spec.options.get("deterministic") else {}
 
     @classmethod
+    def selector(cls, spec: BackendSpec) -> str:
+        cudnn = spec.options.get("cudnn")
+        if not cudnn:
+            return super().selector(spec)
+        name = spec.name.split(CUDNN_MARK)[0]
+        return f"--backend {shlex.quote(name)} --cudnn {shlex.quote(cudnn['version'] or cudnn['directory'])}"
+
+    @classmethod
+    def process_environment(cls, spec: BackendSpec) -> dict[str, str]:
+        """A cuDNN build asked for (`--cudnn`): every lever the loader and TE offer; what loaded is read back."""
+        from attn_doctor.machine.cudnn_builds import CudnnBuild, loader_environment
+
+        cudnn = spec.options.get("cudnn")
+        return loader_environment(CudnnBuild.from_dict(cudnn)) if cudnn else {}
+
+    @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:
         from attn_doctor.core.source_text import module_body
 
@@ -330,12 +350,13 @@ class TEAttention(Backend):
         fingerprint. An import failure is kept, and every TE row of this process is SKIP with it."""
         from attn_doctor.machine.te_facts import loaded_te_facts
 
-        global _import_error
+        global _import_error, _te_facts
         try:
             load_te()
         except Exception as exc:  # noqa: BLE001 - any import failure becomes the rows' SKIP reason
             _import_error = first_line(exc)
-        return {"te_facts": loaded_te_facts()}
+        _te_facts = loaded_te_facts()
+        return {"te_facts": _te_facts}
 
     # -- in a worker --
 
@@ -343,6 +364,14 @@ class TEAttention(Backend):
         super().__init__(spec)
         if _import_error is not None:
             raise Unsupported(f"transformer_engine not importable: {_import_error}")
+        self.cudnn = {"cudnn": _te_facts.get("te_cudnn"), "cudnn_libraries": _te_facts.get("te_cudnn_libraries")}
+        wanted = spec.options.get("cudnn")
+        if wanted:
+            from attn_doctor.machine.cudnn_builds import CudnnBuild, not_honoured
+
+            why = not_honoured(CudnnBuild.from_dict(wanted), self.cudnn["cudnn"], self.cudnn["cudnn_libraries"] or [])
+            if why:
+                raise Unsupported(f"--cudnn not honoured by TE: {why}")
         self.path = spec.options["path"]
         self.sub_backend = spec.options.get("sub_backend")
         self.deterministic = bool(spec.options.get("deterministic", False))
@@ -456,4 +485,5 @@ class TEAttention(Backend):
         return self._last
 
     def facts(self) -> dict[str, Any]:
-        return {"deterministic": dict(self._determinism)} if self._determinism else {}
+        """The cuDNN TE loaded (version and files, read back), and determinism where it was asked for."""
+        return {**self.cudnn, **({"deterministic": dict(self._determinism)} if self._determinism else {})}

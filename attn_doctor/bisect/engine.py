@@ -37,7 +37,7 @@ from typing import Callable
 from attn_doctor.bisect import knobs
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import BadInput
-from attn_doctor.results.bisect_record import NOTE_CHARS, Change, Condition, Step
+from attn_doctor.results.bisect_record import NOTE_CHARS, ON_MINIMAL, Change, Condition, Step
 
 # A step's worst row may be off by this factor either way from the start's and still be the same failure: one
 # order of magnitude. Errors are compared on the terms' scale, not as ratios to the yardstick: a 5% fault is 5%
@@ -273,7 +273,7 @@ class Bisector:
         still_fails = [self.fails(candidate, knob, tried) for knob, tried, candidate in moves]
         kept, seen = [], set()
         for move, failing in zip(moves, still_fails):  # of several dtypes that keep failing, adopt the plainest
-            if failing and move[0] not in seen:
+            if failing and move[0] not in seen and knobs.CATEGORICAL_BY_NAME[move[0]].adopt:
                 kept.append(move)
                 seen.add(move[0])
         adopted = set()
@@ -302,7 +302,9 @@ class Bisector:
             candidate = knobs.carry(config, knob, original)
             if candidate is None or not self.valid(candidate) or candidate == config:
                 continue
-            state = self.state(candidate, knob, f"{tried} on the minimal case")
+            state = self.state(candidate, knob, f"{tried}{ON_MINIMAL}")
+            if state == SAME and not knobs.CATEGORICAL_BY_NAME[knob].adopt:
+                continue  # another value it fails with too: recorded in the steps, kept as it was
             if state == SAME:
                 config = candidate
                 adopted.add(knob)

@@ -4,13 +4,15 @@ which values it may take. The engine (`engine.py`) knows only this table.
 Categorical knobs move to their plainest value (the layout to contiguous, thd to padded tensors, ragged
 lengths to full ones, no FP8, no sink, no bias, v's head dim to q's, the mask to a plainer TE mask type down
 to no_mask, GQA to plain heads, no window, self-attention, TP 1, one layer, the plainest dtype and input
-distribution that still fail); integer knobs are binary-searched down to the smallest value that still fails. A value a case cannot
+distribution that still fail, and for TE's paths each other cuDNN build found here); integer knobs are binary-searched down to the smallest value that still fails. A value a case cannot
 take (heads not divisible by the TP degree, say) is never probed. Relations name two lengths whose boundary may
 move together (seq > seq_kv), so the engine can tell a relation from a threshold.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +56,9 @@ class Categorical:
     value: Callable[[Coords], Any]
     plainer: Callable[[Coords], list]  # values plainer than the current one, plainest first
     simplify: Callable[[Coords, Any], Coords]  # the coordinates with the knob at that plainer value
+    # False for a knob whose values are alternatives, not simplifications (a cuDNN build): each is tried, one
+    # where the case passes makes a condition, and one where it still fails is never adopted in its place.
+    adopt: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,36 @@ def _head_dims(coords: Coords) -> list[int]:
     return list(range(step, current + 1, step))
 
 
+@functools.cache
+def _cudnn_builds() -> tuple:
+    from attn_doctor.machine.cudnn_builds import find_builds
+
+    return tuple(find_builds())
+
+
+def _cudnn_value(coords: Coords) -> str:
+    build = coords.backend.options.get("cudnn")
+    return (build["version"] or build["directory"]) if build else "as installed"
+
+
+def _other_cudnn_builds(coords: Coords) -> list:
+    """The cuDNN builds found here other than the one the path runs on (paths whose process loads cuDNN)."""
+    from attn_doctor.backends import backend_class
+
+    if coords.backend.family == ANY_BACKEND.family or not backend_class(coords.backend).loads_cudnn:
+        return []
+    current = (coords.backend.options.get("cudnn") or {}).get("directory")
+    return [build for build in _cudnn_builds() if build.directory != current]
+
+
+def _set_cudnn(coords: Coords, build: Any) -> Coords:
+    from attn_doctor.backends import on_build
+    from attn_doctor.machine.cudnn_builds import resolve
+
+    build = resolve(build, list(_cudnn_builds())) if isinstance(build, str) else build
+    return dataclasses.replace(coords, backend=on_build(coords.backend, build))
+
+
 CATEGORICAL: tuple[Categorical, ...] = (
     # A replayed call first: does the fault need the captured values and views, or do seeded inputs of its
     # shapes, contiguous, show it too (then every other knob can shrink it)?
@@ -173,6 +208,8 @@ CATEGORICAL: tuple[Categorical, ...] = (
     Categorical("inputs", lambda c: c.case.inputs,  # the plainer distributions, plainest first
                 lambda c: list(INPUTS_PLAINEST_FIRST[:INPUTS_PLAINEST_FIRST.index(c.case.inputs)]),
                 lambda c, v: _with_case(c, inputs=v)),
+    # The cuDNN build TE's process loads: "fails with 9.14.0, passes with 9.19.0" is a condition like any other.
+    Categorical("cudnn", _cudnn_value, _other_cudnn_builds, _set_cudnn, adopt=False),
 )
 
 INTEGER: tuple[Integer, ...] = (

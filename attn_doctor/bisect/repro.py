@@ -28,7 +28,7 @@ HEADER = '''#!/usr/bin/env python3
 Made by attn-doctor {version} ({command}).
 Environment it was made on:
 {env}
-Exit code: 1 while the kernel path is still wrong, 0 once it agrees with float64 as closely as
+{launch}Exit code: 1 while the kernel path is still wrong, 0 once it agrees with float64 as closely as
 Megatron's local attention, by the same rule as attn-doctor: each tensor's error, measured against the
 scale of the terms it is summed from, may be at most {multiple:g} x the baseline's (never less than
 rounding noise), whole tensor and worst (batch, head) slice; a systematic error beyond rounding and
@@ -243,11 +243,27 @@ def repro_text(coords: Coords, env: EnvReport | None, version: str, command: str
         return _replay_repro_text(coords, version, command)
     case = {name: value for name, value in coords.case.plain().items() if name != "replay"}
     text = HEADER.format(title=f"{coords.backend.name} on {coords.describe()}", version=version,
-                         command=command.replace('"', "'"), env=_env_lines(env), multiple=max(MULTIPLE.values()),
+                         command=command.replace('"', "'"), env=_env_lines(env), launch=_launch(coords),
+                         multiple=max(MULTIPLE.values()),
                          case=repr(case), layout=coords.layout, tp=coords.tp,
                          cu_seqlens=layouts.packing(coords.case).cu_seqlens_arguments() if coords.case.padded else None)
     rest = CASE_INPUTS + repro_source(coords.backend) + MAIN
     return text + NUMERICS + used_source(standalone, rest) + rest
+
+
+def _launch(coords: Coords) -> str:
+    """How to start the script where its process must load a given library build (a cuDNN build asked for):
+    the variables, which must be set before the process starts."""
+    import shlex
+
+    from attn_doctor.backends import process_of
+
+    environment = process_of(coords.backend)[1]
+    if not environment:
+        return ""
+    variables = " ".join(f"{name}={shlex.quote(value)}" for name, value in environment.items())
+    return ("Run it on the library build it failed on (the loader reads these before the script starts):\n"
+            f"  env {variables} python3 THIS_FILE\n")
 
 
 def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version: str, command: str) -> Path:

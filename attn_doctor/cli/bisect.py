@@ -33,8 +33,8 @@ from attn_doctor.core.probe_kinds import rules_for
               help="Where the repro script and the bisect document go (default: beside --from, else "
                    "attn-doctor-results/bisect-<stamp>); `attn-doctor report` takes the folder or the document.")
 @click.pass_obj
-def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, layers, from_results, row_index,
-           repeats, json_path, out_dir, **case_flags) -> int:
+def bisect(app: Application, backends, kernels, cudnn, layouts, device, timeout, tp, layers, from_results,
+           row_index, repeats, json_path, out_dir, **case_flags) -> int:
     """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
     standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
     from attn_doctor.machine.devices import check_device_name
@@ -42,7 +42,7 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
     check_device_name(device)
     if from_results is not None:
         given = [name.replace("_", "-") for name, value in case_flags.items() if value is not None]
-        if given or backends or kernels or layouts or tp != 1 or layers:
+        if given or backends or kernels or cudnn or layouts or tp != 1 or layers:
             raise BadInput("--from starts from a row of the results, with its case, backend and layout; drop "
                            f"{', '.join('--' + g for g in given) or 'the case and backend options'}")
     from attn_doctor.bisect import knobs
@@ -70,7 +70,7 @@ def bisect(app: Application, backends, kernels, layouts, device, timeout, tp, la
                               "seeded inputs of the call's shapes instead of its captured values and views",
                               style="yellow")
     else:
-        specs = select(backends, kernels)
+        specs = select(backends, kernels, cudnn)
         if len(specs) != 1:
             raise BadInput("bisect follows one kernel path: give exactly one --backend or --kernel "
                            f"(got {len(specs)}), or --from RESULTS")

@@ -236,6 +236,9 @@ def backend_options(fn: Callable) -> Callable:
                      help=f"A memory layout to feed (repeatable): {', '.join(LAYOUTS)}, or TE's names (sb3hd, "
                           "thd_t2hd, ...) [contiguous, sb3hd_packed, sbh3d_packed, head_slice, transposed; thd: "
                           "contiguous, head_slice, qkv_3hd, kv_2hd]."),
+        click.option("--cudnn", metavar="VERSION|PATH[,...]",
+                     help="Run TE's paths on this cuDNN build (a version `attn-doctor env` lists, or a library "
+                          "folder); a list runs each path once per build. What TE loaded is read back per row."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
         click.option("--timeout", type=SECONDS, default=300.0, show_default=True,
                      help=f"Seconds one probe may take before its worker is killed (ERROR row); at most "

@@ -32,8 +32,8 @@ def _span(values: list[int]) -> str:
                    "[attn-doctor-results/replay-<time>].")
 @repeats_option
 @click.pass_obj
-def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, backends, kernels, layouts, device,
-           timeout, out_dir, repeats) -> int:
+def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, backends, kernels, cudnn, layouts,
+           device, timeout, out_dir, repeats) -> int:
     """Check every distinct call of a capture on every path against float64: the call's own shapes and values
     (seeded ones when only metadata was captured) on its own views (layout `captured`) and contiguous.
     Identical calls (same API, arguments, shapes, strides, dtypes) are checked once and counted."""
@@ -77,7 +77,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     from attn_doctor.results.files import check_writable
     from attn_doctor.workflows import sweep as sweeping
 
-    specs = select(backends, kernels)
+    specs = select(backends, kernels, cudnn)
     directory = out_dir or app.new_run_dir("replay")
     check_writable(directory, "--out", directory=True)
     request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,

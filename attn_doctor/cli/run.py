@@ -36,7 +36,7 @@ from attn_doctor.core.layouts import canonical_layouts
 @repeats_option
 @click.pass_obj
 def run(app: Application, json_path: Path | None, profile: bool, wide: bool, nproc: int | None, tp_degree: int,
-        cp_degree: int, cp_comm_type: str, repeats: int, backends, kernels, layouts, device, timeout,
+        cp_degree: int, cp_comm_type: str, repeats: int, backends, kernels, cudnn, layouts, device, timeout,
         **case_flags) -> int:
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.machine.devices import check_device_name
@@ -49,7 +49,7 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     from attn_doctor.workflows.run import RunInterrupted, RunRequest
     from attn_doctor.workflows.run import run as run_workflow
 
-    specs = select(backends, kernels)
+    specs = select(backends, kernels, cudnn)
     out_path = json_path or app.new_run_dir("run") / "results.json"
     check_writable(out_path, "--json")
     request = RunRequest(case, specs, canonical_layouts(layouts), resolve_device(device), app.command_line(), timeout,

@@ -31,7 +31,7 @@ from attn_doctor.core.layouts import canonical_layouts
                    "1 on the CPU; depth sweeps always 1]")
 @repeats_option
 @click.pass_obj
-def sweep(app: Application, backends, kernels, layouts, device, timeout, resume, out_dir, workers, repeats,
+def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, resume, out_dir, workers, repeats,
           **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
     from attn_doctor.machine.devices import check_device_name
@@ -48,7 +48,7 @@ def sweep(app: Application, backends, kernels, layouts, device, timeout, resume,
     from attn_doctor.results.files import check_writable
     from attn_doctor.workflows import sweep as sweeping
 
-    specs = select(backends, kernels)
+    specs = select(backends, kernels, cudnn)
     directory = resume or out_dir or app.new_run_dir("sweep")
     check_writable(directory, "--resume" if resume else "--out", directory=True)
     if dropped:

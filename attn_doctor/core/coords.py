@@ -261,8 +261,11 @@ def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int =
 
 
 def knob_dict(coords: Coords) -> dict:
-    """The values of bisect's knobs: what a bisect document records of a probe (and what names its repro)."""
-    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers}
+    """The values of bisect's knobs: what a bisect document records of a probe (and what names its repro),
+    with the cuDNN build asked for where one was (`--cudnn`, or bisect's cudnn knob)."""
+    cudnn = coords.backend.options.get("cudnn")
+    return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers,
+            **({"cudnn": cudnn} if cudnn else {})}
 
 
 class BadGrid(BadInput, ValueError):

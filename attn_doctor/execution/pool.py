@@ -24,8 +24,9 @@ STARTUP_TIMEOUT_S = 300.0
 class Worker:
     """One worker process for one backend family, restarted on demand."""
 
-    def __init__(self, family: str, device: str, timeout_s: float):
+    def __init__(self, family: str, device: str, timeout_s: float, environment: dict[str, str] | None = None):
         self.family = family
+        self.environment = environment or {}  # variables it starts with beyond ours (a cuDNN build to load)
         self.device = device
         self.timeout_s = timeout_s
         self.hello: dict[str, Any] | None = None
@@ -44,6 +45,7 @@ class Worker:
         self._proc = processes.start(
             [sys.executable, "-m", "attn_doctor.execution.worker", self.family, self.device],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            env=processes.child_env(self.environment),
         )
         self.starts += 1
         self._replies = queue.Queue()

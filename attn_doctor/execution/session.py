@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from attn_doctor.backends import BASELINE, BackendSpec
+from attn_doctor.backends import BASELINE, BackendSpec, process_of
 from attn_doctor.core.coords import Coords, ProbeKind
 from attn_doctor.execution.pool import Worker
 from attn_doctor.execution.progress import ProgressSink
@@ -132,9 +132,10 @@ class Session:
 
     @property
     def facts(self) -> dict:
-        """What the workers' libraries reported when they started (e.g. {"te_facts": ...})."""
+        """What the workers' libraries reported when they started (e.g. {"te_facts": ...}); a worker started
+        as it is (no cuDNN build asked for) speaks for the machine."""
         found: dict = {}
-        for family in self.workers.values():
+        for family in sorted(self.workers.values(), key=lambda pool: not any(w.environment for w in pool)):
             for worker in family:
                 found.update({k: v for k, v in (worker.hello or {}).items() if k not in ("family", "pid")})
         return found
@@ -158,10 +159,11 @@ class Session:
         depth = any(c.kind is ProbeKind.DEPTH for coords in groups for c in coords)
         # Depth stacks hold tens of GiB each on the GPU: those run one family, one worker at a time.
         per_family = 1 if depth else self.workers_per_family
-        for family, family_units in units.items():
-            pool = self.workers.setdefault(family, [])
+        for process, family_units in units.items():
+            pool = self.workers.setdefault(process, [])
+            spec = batch.groups[family_units[0][0]][family_units[0][1][0]].backend
             while len(pool) < min(per_family, len(family_units)):
-                pool.append(Worker(family, self.device, self.timeout_s))
+                pool.append(Worker(spec.family, self.device, self.timeout_s, process_of(spec)[1]))
         if depth:
             self._wait(batch, [lambda: self._serve_depth(batch, units)])
         else:
@@ -171,7 +173,8 @@ class Session:
     # -- planning --
 
     def _assign(self, batch: _Batch) -> dict[str, list[tuple[int, list[int]]]]:
-        """Static skips become rows at once; the rest is assigned to families as (group, indices) units."""
+        """Static skips become rows at once; the rest is assigned to worker processes (a family's, or one with
+        the variables a spec needs: `backends.process_of`) as (group, indices) units."""
         units: dict[str, list[tuple[int, list[int]]]] = {}
         for group, coords_list in enumerate(batch.groups):
             for index, coords in enumerate(coords_list):
@@ -179,7 +182,7 @@ class Session:
                 if reason is not None:
                     batch.finish(group, index, skipped_row(coords, reason))
                     continue
-                family_units = units.setdefault(coords.backend.family, [])
+                family_units = units.setdefault(process_of(coords.backend)[0], [])
                 if not family_units or family_units[-1][0] != group:
                     family_units.append((group, []))
                 family_units[-1][1].append(index)

@@ -119,7 +119,7 @@ def _sdpa_path(facts: Facts) -> bool:
 
 def _cudnn(_value: object, facts: Facts) -> Outcome:
     """``cudnn`` and ``cudnn_in`` together, on the cuDNN the path loads: "cuDNN 9.14.0 (TE's)"."""
-    version, whose = loaded_cudnn(facts.env, _sdpa_path(facts))
+    version, whose = loaded_cudnn(facts.env, _sdpa_path(facts), facts.context.cudnn)
     if version is None:
         return _FAILED
     if "cudnn" in facts.rule and not _in_spec(version, facts.rule["cudnn"]):
@@ -167,7 +167,9 @@ def _listed(read: Callable[[Facts], Any], shown: str) -> Check:
 
 
 def _backend_matches(name: str, wanted: Iterable[str]) -> bool:
-    """A rule's path name matches itself and the paths under it ("te.fused" also "te.fused.det")."""
+    """A rule's path name matches itself and the paths under it ("te.fused" also "te.fused.det"), on whatever
+    cuDNN build it ran ("te.fused@cudnn-9.19.0")."""
+    name = name.split("@")[0]
     return any(name == w or name.startswith(w + ".") for w in wanted)
 
 

@@ -51,6 +51,7 @@ class MatchContext:
     backend: str | None = None  # attn-doctor's path name, e.g. "te.fused.det"
     sub_backend: int | None = None  # TE's FusedAttention sub-backend as TE reported it
     layout: str | None = None  # attn-doctor's memory layout
+    cudnn: str | None = None  # the cuDNN the path's own process reported loading (a TE row's, read back)
 
     @classmethod
     def from_env(cls, env: EnvReport, *, qkv_format: str | None = None, **overrides: Any) -> MatchContext:
@@ -127,12 +128,14 @@ def parse_sm(text: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def loaded_cudnn(env: EnvReport, sdpa: bool) -> tuple[Version | None, str]:
-    """(version, whose): the cuDNN the path loads. SDPA paths load torch's; TE paths TE's own, torch's when
-    TE's is unknown."""
+def loaded_cudnn(env: EnvReport, sdpa: bool, reported: str | None = None) -> tuple[Version | None, str]:
+    """(version, whose): the cuDNN the path loads. SDPA paths load torch's; TE paths the one their process
+    reported (`reported`: a row run on a chosen build), else TE's own, torch's when TE's is unknown."""
     torch_v = fact_version(env.torch_cudnn)
     if sdpa:
         return (torch_v, "torch's") if torch_v is not None else (None, "")
+    if parse_version(reported) is not None:
+        return parse_version(reported), "TE's, in this path's process"
     te_v = fact_version(env.te_cudnn)
     if te_v is not None:
         return te_v, "TE's"
@@ -166,6 +169,7 @@ def row_probe(row: Row, env: EnvReport, dout_strided: bool = False) -> Probe:
         cp_size=coords.cp,
         cp_comm_type=coords.cp_comm_type,
         dout_strided=dout_strided,
+        cudnn=row.extra.get("cudnn") if isinstance(row.extra.get("cudnn"), str) else None,
         **match_context(spec),
     )
     return Probe(

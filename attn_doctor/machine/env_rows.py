@@ -59,6 +59,8 @@ def labelled_facts(env: EnvReport) -> list[tuple[str, str, Kind]]:
         rows.append(("GPU notes", env.gpus_note, "warn"))
     for label, name in _FACTS:
         add(label, getattr(env, name))
+    if env.cudnn_builds is not None:  # documents written before it was collected do not have it
+        add("cuDNN builds", env.cudnn_builds)
     for key in ("v2", "v3", "v4"):
         add(_FLASH_LABELS[key], env.flash_attn.get(key, Fact(None, "not recorded")))
     for key in sorted(set(env.flash_attn) - set(_FLASH_LABELS)):

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attn_doctor.machine.te_facts import decode_cudnn_version, dist_version, te_package_versions
+from attn_doctor.machine.cudnn_builds import decode_cudnn_version
+from attn_doctor.machine.te_facts import dist_version, te_package_versions
 
 #: The command that reads TE's facts in a subprocess; tests replace it. Must print a JSON object last on stdout.
 TE_FACTS_CMD: list[str] = [sys.executable, "-m", "attn_doctor.machine.te_facts"]
@@ -41,7 +42,7 @@ FLASH_ATTN_DISTS: dict[str, tuple[str, ...]] = {
 }
 
 NOT_INSTALLED = "not installed"
-LATER_FACTS = ("cpu", "os")  # facts older results documents do not have
+LATER_FACTS = ("cpu", "os", "cudnn_builds")  # facts older results documents do not have
 IDENTITY_KEYS = ("hostname", "user", "home")  # who and where: recorded only so that reports can redact them
 NOT_PROBED = "not probed"  # a fact nobody asked for (the words every results document has used)
 
@@ -92,6 +93,7 @@ class EnvReport:
     # Collected since the fingerprint first had them; None in documents written before.
     cpu: Fact | None = None  # model and core count
     os: Fact | None = None  # the distribution's name and version
+    cudnn_builds: Fact | None = None  # every cuDNN build found, and which one TE and torch load
     # The machine's hostname, the user and their home folder (IDENTITY_KEYS): never shown, recorded so that
     # a report pasted elsewhere can redact them (`attn_doctor.render.redact`); {} in older documents.
     identity: dict[str, str] = field(default_factory=dict)
@@ -291,9 +293,11 @@ def _version_fact(value: object) -> Fact:
 
 
 def _collect_te(
-    read_te: bool, te_facts: Mapping | None, timeout_s: float, te_facts_cmd: Sequence[str] | None
+    read_te: bool, te_facts: Mapping | None, timeout_s: float, te_facts_cmd: Sequence[str] | None,
+    reported_into: dict | None = None,
 ) -> tuple[Fact, Fact, Fact, Fact]:
-    """te, te_core, te_torch, te_cudnn. Versions come from metadata, refined by what TE reported in its subprocess."""
+    """te, te_core, te_torch, te_cudnn. Versions come from metadata, refined by what TE reported in its subprocess
+    (kept in `reported_into`)."""
     try:
         meta = te_package_versions()
     except Exception:
@@ -306,6 +310,8 @@ def _collect_te(
     else:
         reported = None
 
+    if reported_into is not None and reported is not None:
+        reported_into.update(reported)
     if reported is None:
         return (
             _version_fact(meta.get("te")),
@@ -329,6 +335,32 @@ def _collect_te(
         cudnn_value = _opt_str(text)
     te_cudnn = Fact(cudnn_value, None) if cudnn_value else Fact(None, error or "TE reported no cuDNN version")
     return te, te_core, te_torch, te_cudnn
+
+
+def _loaded_cudnn() -> list[str]:
+    from attn_doctor.machine.cudnn_builds import loaded_libraries
+
+    return loaded_libraries()
+
+
+def _collect_cudnn_builds(te_libraries: list[str], torch_libraries: list[str]) -> Fact:
+    """Every cuDNN build found (`attn_doctor.machine.cudnn_builds`), and which one TE and torch load: "9.14.0
+    (/lib/x86_64-linux-gnu; system): TE loads it; 9.19.0 (...; pip nvidia-cudnn-cu13 9.19.0.56): torch loads it"."""
+    from attn_doctor.machine.cudnn_builds import build_of, find_builds
+
+    builds = find_builds()
+    if not builds:
+        return Fact(None, "no libcudnn found (system folders, CUDNN_HOME/CUDNN_PATH/CUDA_HOME/CUDA_PATH, pip)")
+    users: dict[str, list[str]] = {}
+    for who, libraries in (("TE", te_libraries), ("torch", torch_libraries)):
+        for library in libraries[:1]:
+            build = build_of(library, builds)
+            users.setdefault(build.directory if build else library, []).append(who)
+    parts = [b.label() + (f": {' and '.join(users[b.directory])} load{'s' * (len(users[b.directory]) == 1)} it"
+                          if b.directory in users else "") for b in builds]
+    parts += [f"{', '.join(who)} loaded {library}, not among them" for library, who in users.items()
+              if not any(b.directory == library for b in builds)]
+    return Fact("; ".join(parts))
 
 
 def _cudnn_triplet(fact: Fact) -> str | None:
@@ -434,9 +466,13 @@ def collect_env(
     os_name = _safe(_collect_os, lambda e: Fact(None, e))
     driver, gpus, gpus_note = _safe(_collect_nvml, lambda e: (Fact(None, e), (), e))
     torch_v, torch_cuda, torch_cudnn, cuda_available = _safe(_collect_torch, lambda e: (Fact(None, e),) * 4)
+    torch_libraries = _safe(_loaded_cudnn, lambda e: [])  # after torch read its cuDNN version, in this process
+    reported: dict = {}
     te, te_core, te_torch, te_cudnn = _safe(
-        lambda: _collect_te(read_te, te_facts, timeout_s, te_facts_cmd), lambda e: (Fact(None, e),) * 4
+        lambda: _collect_te(read_te, te_facts, timeout_s, te_facts_cmd, reported), lambda e: (Fact(None, e),) * 4
     )
+    cudnn_builds = _safe(lambda: _collect_cudnn_builds(reported.get("te_cudnn_libraries") or [], torch_libraries),
+                         lambda e: Fact(None, e))
     te_cudnn = _flag_cudnn_mismatch(te_cudnn, torch_cudnn)
     flash = _safe(_collect_flash_attn, lambda e: {k: Fact(None, e) for k in FLASH_ATTN_DISTS})
     env_vars = _safe(collect_env_vars, lambda e: {})
@@ -460,4 +496,5 @@ def collect_env(
         cpu=cpu,
         os=os_name,
         identity=identity,
+        cudnn_builds=cudnn_builds,
     )

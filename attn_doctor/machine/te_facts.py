@@ -5,7 +5,7 @@ or poison a process that already loaded another cuDNN); it prints one JSON objec
 its last stdout line. A worker that already imported TE can call
 :func:`loaded_te_facts` in-process instead.
 
-This module imports only the standard library at import time, and never touches
+This module imports only the standard library (and attn-doctor modules that do) at import time, and never touches
 torch's cuDNN: TE must be the first to load a cuDNN in the process that reads it.
 """
 
@@ -19,8 +19,9 @@ import sys
 import warnings
 
 from attn_doctor.core.errors import first_line
+from attn_doctor.machine.cudnn_builds import decode_cudnn_version, loaded_libraries
 
-TE_FACT_KEYS = ("te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "error")
+TE_FACT_KEYS = ("te", "te_core", "te_torch", "te_cudnn", "te_cudnn_int", "te_cudnn_libraries", "error")
 
 _CORE_RE = re.compile(r"^transformer-engine-cu\d+$")
 
@@ -65,14 +66,6 @@ def te_package_versions() -> dict[str, str | None]:
     }
 
 
-def decode_cudnn_version(encoded: int) -> str:
-    """Decode ``cudnnGetVersion()`` as TE does: 91400 -> "9.14.0", 8907 -> "8.9.7"."""
-    magnitude = 1000 if encoded < 90000 else 10000
-    major, rest = divmod(int(encoded), magnitude)
-    minor, patch = divmod(rest, 100)
-    return f"{major}.{minor}.{patch}"
-
-
 def loaded_te_facts() -> dict:
     """Import TE (or reuse the loaded one) and report its versions and cuDNN; never raises.
 
@@ -106,6 +99,7 @@ def loaded_te_facts() -> dict:
             out["te_cudnn"] = decode_cudnn_version(encoded)
         except Exception as exc:
             out["error"] = first_line(exc)
+    out["te_cudnn_libraries"] = loaded_libraries()  # which files: read back from this process's memory map
     return out
 
 

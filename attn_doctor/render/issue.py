@@ -115,8 +115,10 @@ def issue_title(fault: Fault, report: RunReport) -> str:
     env = report.env
     if env is not None:
         cudnn = env.te_cudnn.value or env.torch_cudnn.value
+        across = fault.bisect.cudnn_sentence() if fault.bisect is not None else ""
         versions = [*([f"TE {env.te.value}"] if env.te.value else []),
-                    *([f"cuDNN {cudnn.split(' ')[0]}"] if cudnn else []), *(g.name for g in env.gpus[:1])]
+                    *([across] if across else [f"cuDNN {cudnn.split(' ')[0]}"] if cudnn else []),
+                    *(g.name for g in env.gpus[:1])]
     prefix = "[PyTorch] " if row.family == "te" else ""
     return f"{prefix}{path_name(row)} {what} {when}" + (f" ({', '.join(versions)})" if versions else "")
 

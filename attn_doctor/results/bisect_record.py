@@ -36,6 +36,7 @@ BISECT_FORMAT_VERSION = 2  # 2: conditions may carry a relation; "changes" lists
 BISECT_KEYS = ("start_case", "minimal_case", "necessary", "probes")  # what every bisect document has
 REPRO_NAME = re.compile(r"repro_[\w.-]+\.py")  # `attn_doctor.bisect.repro.repro_name`
 NOTE_CHARS = 200  # a probe's note is cut at this many characters
+ON_MINIMAL = " on the minimal case"  # a step's `tried` ends so when it was tried again after the others moved
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,35 @@ class BisectRecord:
     rebuilt: bool = False  # an older document: the rows were rebuilt from the probes' notes
     changes: list[Change] = field(default_factory=list)  # knobs that changed the failure (not conditions)
 
+    def cudnn_builds(self) -> tuple[list[str], list[str]]:
+        """(failing, passing): the cuDNN builds the bisect saw the failure on and those it passed on (bisect's
+        cudnn knob), oldest first; ([], []) when it tried no other build."""
+        tried = [step for step in self.probes if step.knob == "cudnn" and step.verdict in ("PASS", "FAIL", "ERROR")]
+        if not tried:
+            return [], []
+        start = self.start.backend.options.get("cudnn")
+        first = (start.get("version") or start.get("directory")) if start else None
+        if first is None and self.env is not None and self.env.te_cudnn.value:
+            first = self.env.te_cudnn.value.split()[0]
+        failing = {first} if first else set()
+        passing: set[str] = set()
+        for step in tried:
+            (failing if step.fails else passing if step.verdict == "PASS" else set()).add(
+                step.tried.removesuffix(ON_MINIMAL))
+        return sorted(failing - passing, key=_version_parts), sorted(passing - failing, key=_version_parts)
+
+    def cudnn_sentence(self) -> str:
+        """"fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0", "reproduced with cuDNN 9.14.0 and
+        9.19.0", or "" when the bisect tried no other cuDNN build."""
+        failing, passing = self.cudnn_builds()
+        if failing and passing:
+            newer = [p for p in passing if all(_version_parts(p) > _version_parts(f) for f in failing)]
+            return (f"fails with cuDNN {', '.join(failing)}, passes with {', '.join(passing)}"
+                    + (f": fixed by {newer[0]}" if newer else ""))
+        if len(failing) > 1:
+            return f"reproduced with cuDNN {', '.join(failing[:-1])} and {failing[-1]}"
+        return ""
+
     @property
     def tested(self) -> str:
         """The kernel path that was bisected."""
@@ -135,6 +165,11 @@ class BisectRecord:
         """The bisect as a results document: its rows, its machine, its command."""
         return RunReport(command=self.command, device="", env=self.env, rows=list(self.rows),
                          tool_version=self.tool_version, created=self.created)
+
+
+def _version_parts(version: str) -> tuple:
+    """"9.19.0" -> (9, 19, 0): versions in order (a folder given instead of a version sorts as 0s)."""
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
 
 
 def _same_probe(a: Coords, b: Coords) -> bool:
@@ -188,6 +223,11 @@ def _backend_spec(document: dict[str, Any]) -> BackendSpec:
 
 
 def _coords(knobs: dict[str, Any], spec: BackendSpec) -> Coords:
+    if knobs.get("cudnn"):  # the probe ran on a cuDNN build of its own (bisect's cudnn knob)
+        from attn_doctor.backends import on_build
+        from attn_doctor.machine.cudnn_builds import CudnnBuild
+
+        spec = on_build(spec, CudnnBuild.from_dict(knobs["cudnn"]))
     return coords_at(Case.from_dict(knobs["case"]), str(knobs["layout"]), int(knobs["tp"]), int(knobs["layers"]),
                      spec)
 
