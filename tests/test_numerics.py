@@ -546,3 +546,48 @@ def test_reference_term_magnitudes_stay_finite_where_a_row_sum_is_tiny():
     _, reference = Caches(torch.device("cpu")).case.get(case)
     for name in ("out", "dq", "dk", "dv"):
         assert torch.isfinite(reference.terms(name)).all(), name
+
+
+def test_a_bitwise_equal_tensor_reuses_the_metrics_of_the_one_compared_before(monkeypatch):
+    """The same kernel on another layout returns the same values: the probe reuses their metrics (compare is
+    not called again), and the rows are the same as when each was compared; a different tensor, or one holding
+    NaN (never equal to itself), is compared."""
+    from attn_doctor.backends import build, select
+    from attn_doctor.core.coords import Coords
+    from attn_doctor.probes import call
+    from attn_doctor.probes.caches import Caches, Measured
+
+    case = make_case(batch=1, seq=32, heads=2, head_dim=16, dtype="bf16", mask="causal")
+    (spec,) = select(["sdpa.math"])
+    calls = []
+    compare = call.compare
+    monkeypatch.setattr(call, "compare", lambda *a, **k: calls.append(1) or compare(*a, **k))
+    caches = Caches(torch.device("cpu"))
+    backend = build(spec)
+    first = call.run(backend, Coords.call(case, spec, "contiguous"), caches)
+    compared = len(calls)
+    again = call.run(backend, Coords.call(case, spec, "transposed"), caches)
+    assert compared == 4 and len(calls) == 4  # nothing compared the second time: equal tensors
+    assert again.metrics == first.metrics
+    fresh = call.run(backend, Coords.call(case, spec, "transposed"), Caches(torch.device("cpu")))
+    assert fresh.metrics == first.metrics  # what comparing them again gives
+
+    kept = Measured(torch.device("cpu"))
+    x = torch.ones(4)
+    kept.keep("dq", x, "metrics of x")
+    assert kept.find("dq", x.clone()) == "metrics of x" and kept.find("dq", x + 1) is None
+    assert kept.find("dk", x) is None  # per tensor name
+    nan = torch.full((4,), math.nan)
+    kept.keep("out", nan, "metrics of nan")
+    assert kept.find("out", nan) is None
+
+
+def test_workers_on_a_cpu_share_its_cores(monkeypatch):
+    from attn_doctor.execution.session import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert cpu_threads("cpu", 2) == {"OMP_NUM_THREADS": "4"} and cpu_threads("cpu", 16) == {"OMP_NUM_THREADS": "1"}
+    assert cpu_threads("cuda:0", 2) == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads("cpu", 2) == {}  # the user's setting stands

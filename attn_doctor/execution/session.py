@@ -14,6 +14,7 @@ every row that finished, judged, as `finished_rows`.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -54,6 +55,15 @@ def row_from_reply(coords: Coords, reply: dict) -> Row:
 def repeats_of(coords: Coords, repeats: int) -> int:
     """How many times a probe runs: --repeats where its kind takes them (single calls), else once."""
     return repeats if coords.kind_rules.repeats else 1
+
+
+def cpu_threads(device: str, processes: int) -> dict[str, str]:
+    """On the CPU, the cores shared among the worker processes that run at once (`OMP_NUM_THREADS`, which torch
+    reads): each taking them all oversubscribes the machine (37 s for the default run on 2 cores, 19 s shared).
+    Left as the user set it, and on a GPU."""
+    if not device.startswith("cpu") or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, processes)))}
 
 
 def skipped_row(coords: Coords, reason: str) -> Row:
@@ -159,11 +169,13 @@ class Session:
         depth = any(c.kind is ProbeKind.DEPTH for coords in groups for c in coords)
         # Depth stacks hold tens of GiB each on the GPU: those run one family, one worker at a time.
         per_family = 1 if depth else self.workers_per_family
+        starting = {process: min(per_family, len(family_units)) for process, family_units in units.items()}
+        threads = cpu_threads(self.device, sum(starting.values()))
         for process, family_units in units.items():
             pool = self.workers.setdefault(process, [])
             spec = batch.groups[family_units[0][0]][family_units[0][1][0]].backend
-            while len(pool) < min(per_family, len(family_units)):
-                pool.append(Worker(spec.family, self.device, self.timeout_s, process_of(spec)[1]))
+            while len(pool) < starting[process]:
+                pool.append(Worker(spec.family, self.device, self.timeout_s, {**process_of(spec)[1], **threads}))
         if depth:
             self._wait(batch, [lambda: self._serve_depth(batch, units)])
         else:

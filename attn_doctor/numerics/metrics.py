@@ -26,7 +26,14 @@ import torch
 
 from attn_doctor.numerics.standalone import error_figures, error_sums, safe_ratio
 
-CHUNK_ELEMENTS = 1 << 24
+CHUNK_ELEMENTS = 1 << 24  # on a GPU: few launches per tensor
+# On the CPU, stretches of 8 MiB float64 stay below glibc's mmap threshold, so each temporary reuses heap pages
+# instead of faulting fresh ones in: 3.5x faster per comparison, the system time gone (b4 s1024 h16 d64, 2 cores).
+CPU_CHUNK_ELEMENTS = 1 << 20
+
+
+def chunk_elements(device: torch.device) -> int:
+    return CPU_CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor, terms: torch.Tenso
     `standalone.error_figures`, taken here a stretch of the sequence at a time."""
     if candidate.shape != reference.shape:
         raise ValueError(f"shape {tuple(candidate.shape)} differs from the reference's {tuple(reference.shape)}")
-    step = max(1, CHUNK_ELEMENTS // max(1, candidate[:, :1].numel()))
+    step = max(1, chunk_elements(reference.device) // max(1, candidate[:, :1].numel()))
     sums = None
     for start in range(0, max(1, candidate.shape[1]), step):  # once at least: an empty tensor has figures too
         stretch = slice(start, start + step)
@@ -101,7 +108,7 @@ def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| of bshd tensors in float64 over the entries finite in both (the quantity the bug
     reports measured between two implementations; a call's spread over repeats), chunk by chunk along the
     sequence: no full-size float64 copy. 0 when they are equal; inf when `b` is all zero and `a` is not."""
-    step = max(1, CHUNK_ELEMENTS // max(1, b[:, :1].numel()))
+    step = max(1, chunk_elements(b.device) // max(1, b[:, :1].numel()))
     diff_sq = torch.zeros((), dtype=torch.float64, device=b.device)
     ref_sq = torch.zeros((), dtype=torch.float64, device=b.device)
     for start in range(0, b.shape[1], step):

@@ -24,6 +24,39 @@ from attn_doctor.numerics.standalone import TORCH_DTYPES
 # Called with a short description as a long probe advances (a depth stack's layers).
 Progress = Callable[[str], None]
 
+# The measured tensors kept per case so that a bitwise-equal one (the same kernel on another layout, most
+# often) reuses their metrics instead of being compared again: at most this many bytes of them (little on a
+# GPU, where comparing is cheap and memory is the case's).
+MEASURED_BYTES = {"cpu": 1 << 30, "cuda": 1 << 28}
+
+
+class Measured:
+    """Tensors already compared with the current case's reference, and their metrics. Metrics are a function
+    of the tensor's values alone (same reference, same rows), so a bitwise-equal tensor has the very same
+    ones; NaN never equals itself, so a tensor holding NaN is always compared again."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._kept: dict[str, list[tuple[torch.Tensor, object]]] = {}
+        self._bytes = 0
+        self._limit = MEASURED_BYTES.get(device.type, 0)
+
+    def find(self, name: str, tensor: torch.Tensor):
+        """The metrics of a kept tensor equal to `tensor`, or None."""
+        for kept, metrics in self._kept.get(name, ()):
+            if kept.shape == tensor.shape and kept.dtype == tensor.dtype and torch.equal(kept, tensor):
+                return metrics
+        return None
+
+    def keep(self, name: str, tensor: torch.Tensor, metrics) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._bytes + size <= self._limit:
+            self._kept.setdefault(name, []).append((tensor.clone(), metrics))
+            self._bytes += size
+
+    def clear(self) -> None:
+        self._kept.clear()
+        self._bytes = 0
+
 
 class CaseCache:
     """Inputs and reference of the most recent case. `reference_seconds` is what getting the reference cost
@@ -38,10 +71,12 @@ class CaseCache:
         self.reference_seconds = 0.0
         self.reference_source = ""
         self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's reference, mapped, if the job had one
+        self.measured = Measured(device)  # the case's tensors already compared (`Measured`)
 
     def get(self, case: Case) -> tuple[Inputs, Reference]:
         if case.key() != self._key:
             self._inputs = self._reference = None  # free the previous case before building the next
+            self.measured.clear()
             inputs = make_inputs(case, self.device, self.source_of(case))
             start = time.perf_counter()
             self.reference_source = "shared" if self.shared is not None else "computed"
@@ -60,6 +95,7 @@ class CaseCache:
     def clear(self) -> None:
         """Drop the case; a shared reference is released, so the parent can free it."""
         self._key = self._inputs = self._reference = None
+        self.measured.clear()
 
 
 class DepthCache:
