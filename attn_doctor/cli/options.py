@@ -120,6 +120,25 @@ WORKERS = count(1, MAX_WORKERS)
 SCALE = Number(float, 0, MAX_SCALE, "positive number", f"at most {MAX_SCALE:g}, e.g. 0.125", low_open=True)
 
 
+class Shard(click.ParamType):
+    """`--shard I/N`: the I-th of N slices of a sweep (1 <= I <= N <= MAX_COUNT), as (I, N)."""
+
+    name = "I/N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        index, _, total = str(value).partition("/")
+        count_of = count(1).value(total, "--shard N") if total else None
+        number = count(1, count_of or MAX_COUNT).value(index, "--shard I") if count_of else None
+        if number is None:
+            raise BadInput(f"--shard {_shown(value)}: expected I/N, the I-th of N slices (1 <= I <= N), e.g. 2/4")
+        return number, count_of
+
+
+SHARD = Shard()
+
+
 def _stack(fn: Callable, options: list[Callable]) -> Callable:
     for option in reversed(options):
         fn = option(fn)

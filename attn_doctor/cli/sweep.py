@@ -8,6 +8,7 @@ import click
 
 from attn_doctor.cli.app import Application, Interrupted
 from attn_doctor.cli.options import (
+    SHARD,
     WORKERS,
     backend_options,
     build_cases,
@@ -26,13 +27,16 @@ from attn_doctor.core.layouts import canonical_layouts
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory for results.jsonl, results.json and the plot "
                    "(default: attn-doctor-results/sweep-<stamp>).")
+@click.option("--shard", type=SHARD, default=None,
+              help="Run only the I-th of N deterministic slices of the grid's points (1 <= I <= N), e.g. 2/4 for "
+                   "one task of a SLURM array or CI matrix; `attn-doctor report DIR1 DIR2 ...` merges them.")
 @click.option("--workers", type=WORKERS, default=None,
               help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
                    "1 on the CPU; depth sweeps always 1]")
 @repeats_option
 @click.pass_obj
-def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, resume, out_dir, workers, repeats,
-          **grid_flags) -> int:
+def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, resume, out_dir, shard, workers,
+          repeats, **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
     from attn_doctor.machine.devices import check_device_name
 
@@ -58,7 +62,7 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, 
                                     resolve_device(device), directory,
                                     resume=resume is not None, depths=depths, degrees=degrees, workers=workers,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
-                                    repeats=repeats)
+                                    repeats=repeats, shard=shard)
     return execute(app, request, "the finished points are in {log}; continue with --resume {directory}")
 
 

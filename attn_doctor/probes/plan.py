@@ -94,6 +94,13 @@ def plan_points(cases: list[Case], layouts: list[str], depths: list[int] | None 
     return [Point(c, kind, layouts=tuple(layouts or default_layouts(c))) for c in cases]
 
 
+def shard_of(points: list[Point], index: int, count: int) -> list[Point]:
+    """The `index`-th (1-based) of `count` slices of `points`: ordered by their ids, every count-th from the
+    index-th. The same on every machine whatever order the grid was written in; the slices are disjoint, their
+    union is every point, and their sizes differ by one at most."""
+    return sorted(points, key=lambda point: point.id)[index - 1::count]
+
+
 def static_skip(coords: Coords, device: str) -> str | None:
     """Why a probe cannot run here, known before starting anything: the coordinates cannot hold the case,
     or the backend cannot run it on this device."""

@@ -106,7 +106,8 @@ class ResultsLog:
             os.fsync(handle.fileno())
 
 
-def _header(directory: Path) -> dict[str, Any]:
+def read_header(directory: Path) -> dict[str, Any]:
+    """A sweep folder's sweep.json ({} when it has none or it cannot be read)."""
     path = directory / HEADER_FILE
     try:
         header = json.loads(path.read_text())
@@ -120,7 +121,7 @@ def _from_jsonl(path: Path) -> RunReport:
     rows = [record.row for record in records]  # unfinished points too: this is what the sweep got to
     if not rows:
         raise BadInput(f"{path} holds no results yet")
-    header = _header(path.parent)
+    header = read_header(path.parent)
     if header:
         report = RunReport.from_dict({**header, "results": []}, source=str(path.parent / HEADER_FILE))
         return dataclasses.replace(report, rows=rows)

@@ -14,7 +14,7 @@ from attn_doctor.core.coords import BackendSpec
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.probe_kinds import rules_for
 from attn_doctor.execution.progress import ProgressSink
-from attn_doctor.probes.plan import Point, plan_points, point_kind
+from attn_doctor.probes.plan import Point, plan_points, point_kind, shard_of
 from attn_doctor.results.log import DOCUMENT_FILE, ResultsLog
 from attn_doctor.results.report import RunReport, dumps
 from attn_doctor.results.row import Row
@@ -37,6 +37,7 @@ class SweepRequest:
     command: str = "attn-doctor sweep"
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards and depth stacks)
     repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
+    shard: tuple[int, int] | None = None  # --shard I/N: only the I-th of N slices of the points (`shard_of`)
 
 
 @dataclass
@@ -108,6 +109,12 @@ def prepare(request: SweepRequest) -> SweepPlan:
                        "choose a new or empty --out folder")
     done_rows, done_points = log.load()
     points = plan_points(request.cases, request.layouts, request.depths, request.degrees)
+    if request.shard is not None:
+        points = shard_of(points, *request.shard)
+    stray = done_points - {point.id for point in points}
+    if stray:
+        raise BadInput(f"--resume {request.directory}: {len(stray)} of its finished points are not in this command's "
+                       "grid (another grid, or another --shard); resume with the command that started it")
     check_resumable(request.directory, done_rows, points, request.specs)
     check_same_repeats(request.directory, done_rows, request.repeats)
     todo = [p for p in points if p.id not in done_points]
