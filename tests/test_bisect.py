@@ -641,10 +641,14 @@ print(json.dumps({name: {"rel": m["rel"], "ratio": repro.judge(m, b)[2]} for nam
 
 @pytest.mark.slow
 def test_repro_errors_match_the_tools_minimal_case(bisected, no_attn_doctor, run_cli, tmp_path, monkeypatch):
-    """The repro's dq error is the one attn-doctor measures on the minimal case (`run --json` on it)."""
+    """The repro's dq error is the one attn-doctor measures on the minimal case (`run --json` on it). On a CPU a
+    kernel's rounding depends on how many threads it runs on (the tool's workers share the cores), so both run
+    on one thread here, as a user comparing the two on a CPU would pin them."""
     _, doc, _ = bisected("seq_ge_300_noncontig")
     minimal = Case.from_dict(doc["minimal_case"]["case"])
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the workers keep a thread count the user set
+    no_attn_doctor = {**no_attn_doctor, "OMP_NUM_THREADS": "1"}
     result = run_cli(["run", "--kernel", _kernel("seq_ge_300_noncontig"), *minimal.cli_flags().split(),
                       "--layout", doc["minimal_case"]["layout"], "--device", "cpu", "--json", "run.json"])
     assert result.exit_code == 1, result.output

@@ -8,6 +8,7 @@ text (comma lists, LEFT,RIGHT, random:P, sizes) are listed. Also: "nothing would
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
@@ -85,6 +86,8 @@ TEXT_OPTIONS = [
       for option in ("--layers", "--steps", "--ranks")
       for value in ("-1", "0,-1", "nan", "inf", HUGE, "x", "1.5")],
     *[("capture", "--max-bytes", value, []) for value in ("nan", "inf", "-1", "-1MB", "x", "1XB", "")],
+    *[("sweep", "--shard", value, []) for value in ("0/4", "5/4", "1/0", "nan/2", "1/inf", f"1/{HUGE}", "x", "1",
+                                                    "1.5/2", "/")],
 ]
 
 CASES = [(command, option, value, []) for command, option, value in _typed_options()] + TEXT_OPTIONS
@@ -160,3 +163,18 @@ def test_sweep_out_takes_an_empty_folder_and_never_overwrites_results(run_cli, t
     line = one_line_error(run_cli(args))
     assert "results.json" in line and "new or empty --out" in line, line
     assert (out / "results.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0, -1, 1e12, True, "300"])
+def test_the_python_api_checks_the_timeout_as_the_command_line_does(timeout):
+    """A request made in Python (not through click) is held to --timeout's range too: no traceback deep in a
+    worker's deadline arithmetic, one BadInput naming it."""
+    from attn_doctor.backends import select
+    from attn_doctor.core.case import make_case
+    from attn_doctor.core.errors import BadInput
+    from attn_doctor.workflows.run import RunRequest, run
+
+    request = RunRequest(make_case(batch=1, seq=4, heads=1, head_dim=8), select(["sdpa.math"]), ["contiguous"],
+                         "cpu", "test", timeout)
+    with pytest.raises(BadInput, match="--timeout takes a number of seconds above 0 and at most 604800"):
+        run(request)

@@ -16,6 +16,7 @@ from attn_doctor.bisect.engine import Bisector, BisectResult, Outcome, RunProbe,
 from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
 from attn_doctor.execution.progress import ProgressSink
+from attn_doctor.core.processes import check_timeout
 from attn_doctor.execution.session import Session
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.diagnosis import first_wrong
@@ -34,6 +35,7 @@ class BisectRequest:
     def check(self) -> None:
         if self.repeats < 1:
             raise BadInput("--repeats takes a whole number >= 1")
+        check_timeout(self.timeout_s)
         why = self.start.unsupported()
         if why:
             raise BadInput(f"the starting point is impossible: {self.start.describe()} ({why}); check --layout, --tp "

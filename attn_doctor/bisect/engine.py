@@ -317,7 +317,7 @@ class Bisector:
             if knob not in adopted:
                 passing = ", ".join(str(knobs.value(c, knob)) for c in candidates)
                 self._necessary(necessary, Condition(knob, knobs.value(config, knob), passing),
-                                lambda c, knob=knob, to=candidates[0]: knobs.with_value(c, knob, to))
+                                lambda c, knob=knob, to=candidates[0]: knobs.carry(c, knob, to))
         self.changes += [change for knob, found in changed.items() if knob not in adopted for change in found]
         return config
 

@@ -287,16 +287,5 @@ def value(coords: Coords, knob: str) -> Any:
     return spec.value(coords)
 
 
-def with_value(coords: Coords, knob: str, candidate: Coords) -> Coords | None:
-    """`coords` with `knob` (categorical or integer) as it is in `candidate`; None when that is impossible."""
-    if knob in CATEGORICAL_BY_NAME:
-        return carry(coords, knob, candidate)
-    spec = next(k for k in INTEGER if k.name == knob)
-    try:
-        return spec.set(coords, spec.value(candidate))
-    except BadInput:
-        return None
-
-
 __all__ = ["ANY_BACKEND", "CATEGORICAL", "INTEGER", "RELATIONS", "Categorical", "Integer", "Relation", "carry",
-           "coords_at", "kind_at", "knob_dict", "moves", "valid", "value", "with_value"]
+           "coords_at", "kind_at", "knob_dict", "moves", "valid", "value"]

@@ -26,11 +26,11 @@ from attn_doctor.core.case import (
 )
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import LAYOUT_ALIASES, LAYOUTS
+from attn_doctor.core.processes import MAX_TIMEOUT_S
 from attn_doctor.core.probe_kinds import layout_choices
 
 MAX_COUNT = 2**31 - 1  # sizes, lengths, degrees, depths and indices: what a CUDA kernel's int32 index holds
 MAX_SEED = 2**63 - 1  # torch seeds take 0 .. 2**64-1; the tool adds small offsets to a seed (side inputs, stacks)
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week: deadlines stay far inside what time arithmetic and locks accept
 MAX_REPEATS = 1000  # x --timeout stays within a lock's longest wait
 MAX_WORKERS = 256
 MAX_SCALE = 1000.0  # --softmax-scale: far past any model's (1/sqrt(head dim) and its layer scalings)

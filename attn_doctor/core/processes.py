@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Sequence
 
+from attn_doctor.core.errors import BadInput
+
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 _live: set[subprocess.Popen] = set()
@@ -149,3 +151,14 @@ def read_tail(stream: IO[bytes], lines: int) -> str:
     stream.seek(0)
     text = stream.read().decode(errors="replace").strip().splitlines()
     return "\n".join(text[-lines:])
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # one week: deadlines stay far inside what time arithmetic and locks accept
+
+
+def check_timeout(timeout_s: object) -> None:
+    """A probe's timeout is a number of seconds above 0 and at most MAX_TIMEOUT_S (the Python API's requests are
+    checked as the command line's --timeout is)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise BadInput(f"--timeout takes a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a week), got "
+                       f"{timeout_s!r}")

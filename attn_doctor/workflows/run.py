@@ -13,6 +13,7 @@ from attn_doctor.core.coords import BackendSpec, Coords, check_grid
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.probe_kinds import ProbeKind, dense_api_refusal, rules_for
 from attn_doctor.execution.progress import ProgressSink
+from attn_doctor.core.processes import check_timeout
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
 
@@ -68,6 +69,7 @@ class RunRequest:
             raise BadInput("FP8 attention runs on a GPU (TE's FusedAttention, sm90+); this run is on the CPU: drop "
                            "--fp8 or pass --device cuda on a GPU machine")
         check_repeats(self.repeats)
+        check_timeout(self.timeout_s)
         if self.repeats > 1 and not rules.repeats:
             raise BadInput(rules.repeats_refusal(without=rules.flag))
 

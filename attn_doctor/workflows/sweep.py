@@ -14,6 +14,7 @@ from attn_doctor.core.coords import BackendSpec
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.probe_kinds import rules_for
 from attn_doctor.execution.progress import ProgressSink
+from attn_doctor.core.processes import check_timeout
 from attn_doctor.probes.plan import Point, plan_points, point_kind, shard_of
 from attn_doctor.results.log import DOCUMENT_FILE, ResultsLog
 from attn_doctor.results.report import RunReport, dumps
@@ -85,6 +86,7 @@ def prepare(request: SweepRequest) -> SweepPlan:
     from attn_doctor.workflows.run import check_repeats, runnable
 
     check_repeats(request.repeats)
+    check_timeout(request.timeout_s)
     kind = point_kind(request.depths, request.degrees)
     for rules in dict.fromkeys(rules_for(kind, case) for case in request.cases):
         if request.repeats > 1 and not rules.repeats:
