@@ -15,6 +15,10 @@ Every probe stands in one of three relations to the start's failure:
 - CHANGED: anything else (fails differently, crashes, cannot run, or attn-doctor's own error there). Such a
   simplification is neither adopted nor a condition: it is reported as a change (`Change`), with what changed.
 
+A knob whose values are alternatives rather than simplifications (the cuDNN build TE loads) is tried at every
+value and never adopted: a value where the case passes makes a condition ("fails at cudnn 9.14.0, passes at
+9.19.0"); one where it still fails is only recorded in the steps (the report's "reproduced with").
+
 Integer boundaries of two lengths may be one relation (seq > seq_kv), not a threshold: the boundary is tried
 again at another value of the other length, and a boundary that moves with it is reported as the relation.
 
