@@ -359,3 +359,5 @@ def test_a_call_whose_inputs_are_not_finite_replays_as_cannot_tell(run_cli, tmp_
     assert all("float64 reference holds" in r["reason"] and "check: " in r["reason"] for r in rows)
     report = run_cli(["report", tmp_path / "r", "--format", "markdown"])
     assert "**INCONCLUSIVE**" in report.output and "why some could not be judged" in report.output
+    issue = run_cli(["report", tmp_path / "r", "--format", "issue"])
+    assert issue.output.startswith("No issue to file yet: no path was found wrong, and some could not be judged")

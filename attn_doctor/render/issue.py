@@ -68,6 +68,8 @@ def report_issue(data: ReportData) -> str:
 def no_issue(report: RunReport) -> str:
     if report.untested is not None:
         return f"No issue to file: {report.untested}.\n"
+    if any(row.verdict == "INCONCLUSIVE" for row in report.rows):
+        return f"No issue to file yet: no path was found wrong, and some could not be judged. {report.summary}\n"
     return f"No issue to file: no tested path computes anything wrong here. {report.summary}\n"
 
 
