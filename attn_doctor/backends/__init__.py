@@ -10,7 +10,7 @@ from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, Path
 from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
 from attn_doctor.backends.sdpa import SdpaKernel
-from attn_doctor.backends.te import CUDNN_MARK, TEAttention
+from attn_doctor.backends.te import CUDNN_MARK, TEAttention, without_build
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
 
@@ -67,13 +67,15 @@ def with_cudnn(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpe
         raise BadInput("--cudnn picks the cuDNN build TE's paths load, and none is selected; add --backend te")
     found = find_builds()
     builds = list({build.directory: build for build in (resolve(request, found) for request in requests)}.values())
-    return [on_build(spec, build) if backend_class(spec).loads_cudnn else spec
-            for spec in specs for build in (builds if backend_class(spec).loads_cudnn else [None])]
+    chosen: list[BackendSpec] = []
+    for spec in specs:
+        chosen += [on_build(spec, build) for build in builds] if backend_class(spec).loads_cudnn else [spec]
+    return chosen
 
 
 def on_build(spec: BackendSpec, build) -> BackendSpec:
     """`spec` (a path whose process loads cuDNN) on the cuDNN build `build` (a `CudnnBuild`), named for it."""
-    name = spec.name.split(CUDNN_MARK)[0]
+    name = without_build(spec.name)
     label = build.version or build.directory.rstrip("/").rsplit("/", 1)[-1]
     return BackendSpec(f"{name}{CUDNN_MARK}{label}", spec.family, {**spec.options, "cudnn": build.to_dict()})
 
@@ -152,4 +154,4 @@ def prepare_process(family: str) -> dict:
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
            "repro_source", "match_format", "match_context", "prepare_process", "process_of", "with_cudnn",
-           "on_build", "CUDNN_MARK"]
+           "on_build", "without_build", "CUDNN_MARK"]

@@ -65,6 +65,11 @@ KERNEL_MODULES = {"use_flash_attention": ("flash_attention", "FlashAttention"),
 FUSED_SUB_BACKENDS = {"0": "F16_max512_seqlen", "1": "F16_arbitrary_seqlen", "2": "FP8"}
 LAST_TE_WITH_SUB_BACKEND_CHOICE = (2, 15)
 CUDNN_MARK = "@cudnn-"  # a path run on a chosen cuDNN build: "te.fused@cudnn-9.19.0" (`backends.with_cudnn`)
+
+
+def without_build(name: str) -> str:
+    """A path's name without the cuDNN build it ran on: "te.fused@cudnn-9.19.0" -> "te.fused"."""
+    return name.split(CUDNN_MARK)[0]
 NO_BACKEND_MESSAGE = "No dot product attention backend is available"
 # TE's unfused path runs FP8 attention only as an emulation, behind this variable (TE 2.x).
 UNFUSED_FP8_EMULATION = "NVTE_UnfusedDPA_Emulate_FP8"
@@ -318,7 +323,7 @@ class TEAttention(Backend):
         cudnn = spec.options.get("cudnn")
         if not cudnn:
             return super().selector(spec)
-        name = spec.name.split(CUDNN_MARK)[0]
+        name = without_build(spec.name)
         return f"--backend {shlex.quote(name)} --cudnn {shlex.quote(cudnn['version'] or cudnn['directory'])}"
 
     @classmethod

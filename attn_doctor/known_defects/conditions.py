@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from attn_doctor.backends import path_names
+from attn_doctor.backends import path_names, without_build
 from attn_doctor.backends.te import FUSED_SUB_BACKENDS
 from attn_doctor.core.case import (
     BIAS_SHAPES,
@@ -169,7 +169,7 @@ def _listed(read: Callable[[Facts], Any], shown: str) -> Check:
 def _backend_matches(name: str, wanted: Iterable[str]) -> bool:
     """A rule's path name matches itself and the paths under it ("te.fused" also "te.fused.det"), on whatever
     cuDNN build it ran ("te.fused@cudnn-9.19.0")."""
-    name = name.split("@")[0]
+    name = without_build(name)
     return any(name == w or name.startswith(w + ".") for w in wanted)
 
 

@@ -147,7 +147,7 @@ def find_builds(environ: Mapping[str, str] | None = None, system_dirs: Iterable[
     with ThreadPoolExecutor(max_workers=max(1, len(found))) as pool:  # each library is read in its own process
         builds = list(pool.map(lambda item: _build(item[0], item[1]["libraries"], tuple(item[1]["origins"]),
                                                    read_library), found.items()))
-    return sorted(builds, key=lambda b: (_version_key(b.version), b.directory))
+    return sorted(builds, key=lambda b: (version_order(b.version), b.directory))
 
 
 def _build(folder: Path, libraries: list[Path], origins: tuple[str, ...], read_library: bool) -> CudnnBuild:
@@ -195,8 +195,10 @@ def _name_version(library: Path) -> str | None:
     return match.group(1) if match else None
 
 
-def _version_key(version: str | None) -> tuple:
-    return tuple(int(p) for p in version.split(".")) if version else (10**9,)
+def version_order(version: str | None) -> tuple:
+    """"9.19.0" -> (9, 19, 0), to sort versions; a part that is not a number counts as 0 (a folder given instead
+    of a version), and an unknown version sorts last."""
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split(".")) if version else (10**9,)
 
 
 # --- which build a process loaded --------------------------------------------------------------------------

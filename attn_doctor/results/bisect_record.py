@@ -21,6 +21,7 @@ from typing import Any
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BackendSpec, Coords, coords_at, knob_dict
 from attn_doctor.core.errors import BadInput
+from attn_doctor.machine.cudnn_builds import version_order
 from attn_doctor.machine.fingerprint import EnvReport
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
@@ -124,14 +125,14 @@ class BisectRecord:
         for step in tried:
             (failing if step.fails else passing if step.verdict == "PASS" else set()).add(
                 step.tried.removesuffix(ON_MINIMAL))
-        return sorted(failing - passing, key=_version_parts), sorted(passing - failing, key=_version_parts)
+        return sorted(failing - passing, key=version_order), sorted(passing - failing, key=version_order)
 
     def cudnn_sentence(self) -> str:
         """"fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0", "reproduced with cuDNN 9.14.0 and
         9.19.0", or "" when the bisect tried no other cuDNN build."""
         failing, passing = self.cudnn_builds()
         if failing and passing:
-            newer = [p for p in passing if all(_version_parts(p) > _version_parts(f) for f in failing)]
+            newer = [p for p in passing if all(version_order(p) > version_order(f) for f in failing)]
             return (f"fails with cuDNN {', '.join(failing)}, passes with {', '.join(passing)}"
                     + (f": fixed by {newer[0]}" if newer else ""))
         if len(failing) > 1:
@@ -165,11 +166,6 @@ class BisectRecord:
         """The bisect as a results document: its rows, its machine, its command."""
         return RunReport(command=self.command, device="", env=self.env, rows=list(self.rows),
                          tool_version=self.tool_version, created=self.created)
-
-
-def _version_parts(version: str) -> tuple:
-    """"9.19.0" -> (9, 19, 0): versions in order (a folder given instead of a version sorts as 0s)."""
-    return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
 
 
 def _same_probe(a: Coords, b: Coords) -> bool:
