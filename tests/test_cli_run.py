@@ -366,3 +366,19 @@ def test_report_without_any_run_exits_2(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
     line = one_line_error(run_cli(["report"]))
     assert "no results under attn-doctor-results/" in line
+
+
+@pytest.mark.slow
+def test_run_on_deep_layer_inputs_passes_a_flash_kernel_and_says_why(run_cli, tmp_path):
+    """`run --inputs deep-layer`: PyTorch's flash kernel's dQ is several times the baseline's error, yet right; the
+    run exits 0 and the line under the table says the yardstick was a flash-style backward's own rounding."""
+    result = run_cli(["run", "--backend", "sdpa", "--inputs", "deep-layer", "--batch", "2", "--seq", "512",
+                      "--heads", "4", "--layout", "contiguous", "--device", "cpu", "--json", tmp_path / "r.json"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "flash-style sdpa.flash (contiguous) dq " in text
+    assert "within what a correct flash-style backward gets here" in text and "the unfused baseline gets" in text
+    rows = {row["backend"]: row for row in json.loads((tmp_path / "r.json").read_text())["results"]}
+    dq = rows["sdpa.flash"]["tensors"]["dq"]
+    assert dq["yardstick_kind"] == "flash-style backward" and dq["flash_style_err"] > 3 * dq["baseline_scaled_err"]
+    assert "flash_style_err" not in rows["sdpa.math"]["tensors"]["dq"]  # not flash-style: judged as before

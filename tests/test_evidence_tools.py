@@ -50,3 +50,22 @@ def test_interrupt_sends_sigint_and_reports_the_exit(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("SIGINT after 4 s: exit code 130, process gone after ")
     assert log.read_text().endswith(proc.stdout)
+
+
+@pytest.mark.slow
+def test_shared_direction_reads_a_capture_and_gives_one_line_per_call(tmp_path):
+    """shared_direction.py on a capture with values of the tiny GPT (two layers): a line per call, with the
+    keys' and values' shared-direction figures."""
+    capture = tmp_path / "cap"
+    made = subprocess.run([sys.executable, "-m", "attn_doctor", "capture", "--out", str(capture), "--values", "--",
+                           sys.executable, str(ROOT / "tests" / "models" / "tiny_gpt.py"), "--steps", "1",
+                           "--layers", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert made.returncode == 0, made.stderr[-2000:]
+    proc = _tool("shared_direction.py", capture, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("capture | rank | layer") and len(lines) == 3
+    for line, layer in zip(lines[1:], ("0", "1")):
+        cells = line.split(" | ")
+        assert cells[2] == layer and all(float(x) >= 0 for cell in cells[4].split("; ") for x in cell.split(", "))

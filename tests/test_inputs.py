@@ -207,6 +207,22 @@ def test_structured_rank_is_at_most_the_head_dim():
     assert q.shape[-1] == 2 and torch.isfinite(q).all() and torch.isfinite(k).all()
 
 
+def test_deep_layer_keys_and_values_share_a_direction_queries_do_not():
+    """deep-layer: per head, every key shares one direction and every value another, each twice the norm of a
+    token's own part (`standalone.SHARED_DIRECTION`); the queries and the output gradient are standard normal."""
+    from attn_doctor.numerics.standalone import SHARED_DIRECTION
+
+    case = _case("deep-layer")
+    q, k, v, dout = _tensors(case)
+    for t in (k, v):
+        mean = t.double().mean(dim=1, keepdim=True)
+        own = (t.double() - mean).square().sum(-1).mean(dim=1).sqrt()
+        assert torch.allclose(mean[:, 0].norm(dim=-1) / own, torch.full_like(own, SHARED_DIRECTION), rtol=0.15)
+        assert (_cosines(t) > 0.6).all()
+    for t in (q, dout):
+        assert (_cosines(t).abs() < 0.1).all() and abs(t.float().var().item() - 1) < 0.1
+
+
 # --- the case ----------------------------------------------------------------------------------------------
 
 def test_case_field_default_validation_and_identity():
@@ -216,7 +232,7 @@ def test_case_field_default_validation_and_identity():
     assert skewed.key() != plain.key()  # another distribution: other inputs
     assert len(expand_grid({"batch": 1}, {"inputs": list(INPUTS)})) == len(INPUTS)
     with pytest.raises(BadInput, match="unknown inputs 'gaussian'; choose one of normal, uniform, outliers, "
-                                       "large-logits, structured"):
+                                       "large-logits, structured, deep-layer"):
         make_case(inputs="gaussian")
 
 

@@ -156,3 +156,30 @@ def test_a_te_repro_calls_te_as_attn_doctor_does(fields, tmp_path):
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "FIXED" in proc.stdout and "TE ran: FusedAttention sub-backend 1" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_flash_style_kernel_s_repro_judges_it_with_its_own_output_rounding(tmp_path):
+    """The repro of a flash-style kernel computes what its output rounding makes on the case, with attn-doctor's
+    formula (`standalone.output_rounding_moves`), and judges its dQ and dK with it: on the deep-layer inputs a
+    correct flash-style kernel's script exits 0, and the same script told the kernel is not flash-style exits 1
+    (its dQ's worst head beyond the plain limit); a dQ 5% too large still exits 1."""
+    kernels = Path(__file__).resolve().parent / "kernels" / "flash_style.py"
+    case = make_case(batch=4, seq=1024, heads=16, head_dim=64, dtype="bf16", mask="causal", inputs="deep-layer")
+
+    def run(kernel: str, flash_style: bool | None = None) -> subprocess.CompletedProcess:
+        script = write_repro(tmp_path / kernel, Coords.call(case, parse_kernel_spec(f"{kernels}:{kernel}")), None,
+                             "test", "attn-doctor bisect")
+        text = script.read_text()
+        assert "FLASH_STYLE = True" in text and "def output_rounding_moves" in text
+        if flash_style is not None:
+            script.write_text(text.replace("FLASH_STYLE = True", f"FLASH_STYLE = {flash_style}"))
+        return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                              env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"})
+
+    correct = run("flash_style")
+    assert correct.returncode == 0 and "FIXED" in correct.stdout, correct.stdout + correct.stderr
+    plain = run("flash_style", flash_style=False)
+    assert plain.returncode == 1 and "dq" in plain.stdout.split("STILL WRONG:")[-1], plain.stdout + plain.stderr
+    wrong = run("dq_five_percent")
+    assert wrong.returncode == 1 and "systematic" in wrong.stdout, wrong.stdout + wrong.stderr

@@ -137,6 +137,11 @@ def match_context(spec: BackendSpec) -> dict:
     return backend_class(spec).match_context(spec)
 
 
+def flash_style(spec: BackendSpec) -> bool:
+    """Whether the spec's backward takes D from the output it returned (`Backend.flash_style`)."""
+    return backend_class(spec).flash_style(spec)
+
+
 def process_of(spec: BackendSpec) -> tuple[str, dict[str, str]]:
     """The worker process a spec runs in: a key naming it ("te", or "te with cuDNN from DIR") and the
     variables it starts with."""
@@ -153,5 +158,5 @@ def prepare_process(family: str) -> dict:
 
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
-           "repro_source", "match_format", "match_context", "prepare_process", "process_of", "with_cudnn",
-           "on_build", "without_build", "CUDNN_MARK"]
+           "repro_source", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
+           "with_cudnn", "on_build", "without_build", "CUDNN_MARK"]

@@ -14,6 +14,9 @@ In the parent process (class methods; no worker is started, nothing heavy is imp
                        the format it runs a case in (`format_for`)
   `match_context()`    how a spec runs beyond the machine's defaults, for those rules (TE's deterministic path:
                        {"deterministic": True})
+  `flash_style()`      whether the spec's backward takes the softmax backward's D = rowsum(dO * O) from the
+                       output it returned, rounded (FlashAttention's way): its dQ and dK are then judged with what
+                       that rounding makes (`attn_doctor.numerics.rounded_output`); False by default
 
 In a worker process (an instance per spec, built after `prepare_process()` ran first in that process):
   `forward()`          required: out for q, k, v in `format_for(case)`, possibly non-contiguous views, and
@@ -127,6 +130,10 @@ class Backend(ABC):
         """Known-defect context fields (`attn_doctor.known_defects.MatchContext`) this spec sets
         whatever the machine's environment says; {} when it runs as the environment has it."""
         return {}
+
+    @classmethod
+    def flash_style(cls, spec: BackendSpec) -> bool:
+        return False
 
     @classmethod
     @abstractmethod

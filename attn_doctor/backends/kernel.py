@@ -18,6 +18,11 @@ name, or through **kwargs), so kernels written for the first signature keep work
   seqlens_q, seqlens_kv   int32 [batch], each sequence's length (padding masks; None otherwise)
   mask_type, window       TE's attn_mask_type and window_size, for information
 
+A kernel whose backward takes the softmax backward's D = rowsum(dO * O) from the output it returned, as
+FlashAttention's does, says so next to its definition, `FUNC.flash_style = True` at the top level of its file:
+its dQ and dK are then judged with what such a backward's own rounding makes (`attn_doctor.verdict.rule`,
+"Flash-style paths"). Read from the source without importing it, like the keywords.
+
 `causal` is True for every causal mask type (its diagonal is in `allowed`). Sequences of a thd case arrive
 padded (bshd), the lengths in `seqlens_q` / `seqlens_kv`; the padded rows' output is not compared.
 """
@@ -60,6 +65,8 @@ def parse_kernel_spec(text: str) -> BackendSpec:
     keywords = _keywords_in_source(origin, func) if origin is not None else None
     if keywords is not None:  # known before any worker starts: cases the signature cannot take are SKIP at once
         options["keywords"] = sorted(keywords)
+    if origin is not None and _declares_flash_style(origin, func):
+        options["flash_style"] = True
     return BackendSpec(name or func, "kernel", options)
 
 
@@ -92,6 +99,20 @@ def _keywords_in_source(path: Path, name: str) -> set[str] | None:
             names = {a.arg for a in node.args.args + node.args.kwonlyargs}
             return names | ({"**"} if node.args.kwarg is not None else set())
     return None
+
+
+def _declares_flash_style(path: Path, name: str) -> bool:
+    """Whether the file says, at its top level, `name.flash_style = True` (see the module docstring)."""
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (SyntaxError, OSError, UnicodeDecodeError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is True:
+            if any(isinstance(t, ast.Attribute) and t.attr == "flash_style" and isinstance(t.value, ast.Name)
+                   and t.value.id == name for t in node.targets):
+                return True
+    return False
 
 
 def _defines(path: Path, name: str) -> bool:
@@ -191,6 +212,10 @@ class UserKernel(Backend):
         if keywords is not None:
             return missing_keyword(spec.options["func"], set(keywords), required_keywords(case))
         return None
+
+    @classmethod
+    def flash_style(cls, spec: BackendSpec) -> bool:
+        return bool(spec.options.get("flash_style"))
 
     @classmethod
     def selector(cls, spec: BackendSpec) -> str:

@@ -92,6 +92,12 @@ class SdpaKernel(Backend):
         return None
 
     @classmethod
+    def flash_style(cls, spec: BackendSpec) -> bool:
+        """The fused kernels (FlashAttention, memory-efficient, cuDNN) take D from the output they returned; math
+        differentiates its own softmax."""
+        return spec.options["kernel"] != "math"
+
+    @classmethod
     def memory(cls, spec: BackendSpec, case: Case) -> PathMemory:
         if spec.options["kernel"] != "math":
             return PathMemory()

@@ -315,6 +315,12 @@ class TEAttention(Backend):
         return PathMemory(saved=scores * (4 + item), transient=scores * (4 + 4 + item))
 
     @classmethod
+    def flash_style(cls, spec: BackendSpec) -> bool:
+        """FusedAttention (cuDNN) and FlashAttention take D from the output they returned; Unfused differentiates
+        its own softmax."""
+        return spec.options.get("path") in ("fused", "flash")
+
+    @classmethod
     def match_context(cls, spec: BackendSpec) -> dict[str, Any]:
         return {"deterministic": True} if spec.options.get("deterministic") else {}
 

@@ -125,7 +125,7 @@ def _plainer(value: Any, order: tuple) -> list:
 
 
 # The input distributions from the plainest: a fault that still shows on Gaussian inputs reduces to them.
-INPUTS_PLAINEST_FIRST = ("normal", "uniform", "structured", "outliers", "large-logits")
+INPUTS_PLAINEST_FIRST = ("normal", "uniform", "structured", "outliers", "large-logits", "deep-layer")
 
 
 def _head_dims(coords: Coords) -> list[int]:

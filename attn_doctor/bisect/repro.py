@@ -47,6 +47,8 @@ import torch.nn.functional as F
 CASE = {case}
 LAYOUT = {layout!r}
 TP = {tp}
+# The kernel's backward takes D = rowsum(dO * O) from its rounded output: its dQ, dK may hold what that adds.
+FLASH_STYLE = {flash_style}
 # Padding masks: TE's cu_seqlens (where each sequence starts; _padded: where its slot in a thd tensor starts).
 CU_SEQLENS = {cu_seqlens!r}
 '''
@@ -101,6 +103,15 @@ def megatron_local(q, k, v, sink=None):
                                    fp8=CASE["fp8"] != "none")
 
 
+def flash_style_moves(q, k, dout, exact_out):
+    """What a correct flash-style backward's D, from the output rounded to DTYPE, moves dQ and dK by."""
+    def attend_keys(gradient):
+        keys = dense_reference(q, k, k, gradient, CASE["scale"], visible(), added_bias(torch.float64), SINK)
+        return keys["out"], keys["dv"]
+
+    return output_rounding_moves(q, dout, exact_out, exact_out.to(DTYPE), CASE["scale"], attend_keys)
+
+
 def errors(x, ref, terms, rows=None, empty_rows=None):
     """x measured against float64 as attn-doctor measures it."""
     return error_figures(error_sums(x, ref, terms, rows, empty_rows))
@@ -117,10 +128,10 @@ UNDECIDED = {"reference": "the float64 reference is not finite here (or its term
              "baseline": "the baseline itself has NaN/Inf here, so its error is no yardstick"}
 
 
-def judge(m, base, tensor="out"):
+def judge(m, base, tensor="out", flash=None):
     """attn-doctor's rule: (failed, shown error, ratio to the yardstick, why); why starts with "cannot tell"
     where no verdict can be given (not failed then)."""
-    found = judge_figures(m, base, CASE["dtype"], MULTIPLE[tensor])
+    found = judge_figures(m, base, CASE["dtype"], MULTIPLE[tensor], flash=flash)
     undecided = found["inconclusive"]
     why = FAILED.get(found["failed"], "")
     if "bias" in found["failed"]:
@@ -181,12 +192,17 @@ def main():
     got = run(shards, FORMAT, LAYOUT if TP == 1 else "contiguous", q, k, v, dout)
     base = run(lambda q, k, v, case: megatron_local(q, k, v, case["sink"]), "sbhd", "contiguous", q, k, v, dout)
     rows = compared_rows(CASE, EXPLICIT, DEVICE)
+    own = {}
+    if FLASH_STYLE and CASE["fp8"] == "none":
+        moves = flash_style_moves(q, k, dout, ref[0][0])
+        own = {name: errors(r + moves[name], r, terms, **rows.get(name, {}))
+               for name, (r, terms) in zip(("dq", "dk"), ref[1:3])}
     wrong, undecided = [], []
     print(f"{'tensor':6} {'err':>10}  {'ratio':>10}  (err: relative to float64; * against the terms' scale,"
           " where the exact tensor cancels; ratio: to the local baseline's error, or to rounding noise)")
     for name, x, b, (r, terms) in zip(("out", "dq", "dk", "dv", "dsink"), got, base, ref):
         measured = errors(x, r, terms, **rows.get(name, {}))
-        failed, shown, ratio, why = judge(measured, errors(b, r, terms, **rows.get(name, {})), name)
+        failed, shown, ratio, why = judge(measured, errors(b, r, terms, **rows.get(name, {})), name, own.get(name))
         star = "*" if measured["cancellation"] < CANCELLED else " "
         print(f"{name:6} {shown:10.3e}{star} {ratio:9.2f}x" + (f"  WRONG: {why}" if failed else f"  {why}" if why
                                                                    else ""))
@@ -241,11 +257,13 @@ def repro_text(coords: Coords, env: EnvReport | None, version: str, command: str
                          "one call")
     if coords.case.replay is not None:
         return _replay_repro_text(coords, version, command)
+    from attn_doctor.backends import flash_style
+
     case = {name: value for name, value in coords.case.plain().items() if name != "replay"}
     text = HEADER.format(title=f"{coords.backend.name} on {coords.describe()}", version=version,
                          command=command.replace('"', "'"), env=_env_lines(env), launch=_launch(coords),
                          multiple=max(MULTIPLE.values()),
-                         case=repr(case), layout=coords.layout, tp=coords.tp,
+                         case=repr(case), layout=coords.layout, tp=coords.tp, flash_style=flash_style(coords.backend),
                          cu_seqlens=layouts.packing(coords.case).cu_seqlens_arguments() if coords.case.padded else None)
     rest = CASE_INPUTS + repro_source(coords.backend) + MAIN
     return text + NUMERICS + used_source(standalone, rest) + rest

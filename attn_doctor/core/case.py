@@ -45,7 +45,7 @@ API_DEFAULTS: dict[str, Any] = {"qkv_format": "sbhd", "seqlens": None, "seqlens_
                                 "softmax": "vanilla", "fp8": "none", "mask_source": None, "scale": None,
                                 "replay": None}
 # The distributions of q, k, v (`attn_doctor.numerics.inputs` says what each is and why), plainest first.
-INPUTS = ("normal", "uniform", "outliers", "large-logits", "structured")
+INPUTS = ("normal", "uniform", "outliers", "large-logits", "structured", "deep-layer")
 
 
 @dataclass(frozen=True)

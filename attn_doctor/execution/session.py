@@ -46,6 +46,7 @@ def row_from_reply(coords: Coords, reply: dict) -> Row:
         reason=f"{INTERNAL}: {reason}" if internal else reason,
         detail=reply.get("detail", ""),
         metrics={name: TensorMetrics(**m) for name, m in reply.get("metrics", {}).items()},
+        flash_style={name: TensorMetrics(**m) for name, m in reply.get("flash_style", {}).items()},
         seconds=reply.get("seconds", {}),
         extra=reply.get("extra", {}),
         internal=internal,

@@ -13,6 +13,17 @@ real activations trigger. The output gradient is standard normal for every distr
 - structured: rank-min(4, head dim) q, k, v (per-head basis, about unit variance) plus a per-head mean vector
   (entries ×4) added to every key, as real activations are structured: the keys are nearly equal, so dQ
   (a sum over keys whose softmax weights sum to zero) nearly cancels.
+- deep-layer: standard normal q, k, v, plus one direction per head shared by every key and another by every
+  value, each of norm 2 x sqrt(head dim) (twice a token's own part: `standalone.SHARED_DIRECTION`), as the
+  keys and values of a deep layer of a transformer share a large common component. The shared key direction
+  adds a constant to each row's scores, which the softmax removes, so the exact dQ does not see it, but a
+  flash-style backward's D, taken from its rounded output, multiplies it into dQ: the case where a correct
+  flash-style dQ is several times less accurate than an unfused one (`attn_doctor.numerics.rounded_output`).
+  With it PyTorch's CPU flash kernel reproduces, at b4 s1024 h16 d64 bf16 causal, what the H200 showed on a
+  Megatron GPT's 3rd and 4th layers (reports/h200/megatron/run-1): dQ's worst head at 0.79 eps of its terms'
+  scale (the H200: 0.76-0.78), the baseline 0.09. The GPT's own captured keys and values share a direction of
+  1.0 (largest 1.16) times their spread at its 4th layer (benchmarks/evidence/shared_direction.py, run-2); with
+  Gaussian queries and output gradients it takes 2 to make the same flash-style error.
 """
 
 from __future__ import annotations

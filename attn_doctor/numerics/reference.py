@@ -209,9 +209,11 @@ def attention_reference(
     semantics: Semantics | None = None,
     block_bytes: int | None = None,
     with_terms: bool = True,
+    value_gradient_only: bool = False,
 ) -> Reference:
     """Float64 out, dq, dk, dv and log-sum-exp of softmax(q k^T * scale + bias + mask, sink) v, tile by tile,
-    and (with `with_terms`) the term magnitudes of each row of out, dq, dk, dv (and of dsink).
+    and (with `with_terms`) the term magnitudes of each row of out, dq, dk, dv (and of dsink). With
+    `value_gradient_only` (and no terms) the backward computes dv alone, half of its matmuls; dq and dk are None.
 
     The attention is the case's (`semantics`: TE's mask types, lengths, bias and sink; see
     `attn_doctor.numerics.masks`) or, without semantics, a dense one with a top-left causal mask and window.
@@ -225,13 +227,14 @@ def attention_reference(
             bias = None if semantics.bias is None else semantics.bias[0].to(torch.float64)
             sink = semantics.sink
         return _attention(q, k, v, dout, vis, softmax_scale, bias=bias, sink=sink, block_bytes=block_bytes,
-                          with_terms=with_terms, sink_gradient=semantics is not None and semantics.learnable_sink)
-    return _per_sequence(q, k, v, dout, semantics, softmax_scale, block_bytes, with_terms)
+                          with_terms=with_terms, sink_gradient=semantics is not None and semantics.learnable_sink,
+                          value_gradient_only=value_gradient_only)
+    return _per_sequence(q, k, v, dout, semantics, softmax_scale, block_bytes, with_terms, value_gradient_only)
 
 
 def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None,
                   semantics: Semantics, softmax_scale: float, block_bytes: int | None,
-                  with_terms: bool) -> Reference:
+                  with_terms: bool, value_gradient_only: bool = False) -> Reference:
     """One sequence at a time, each at its own lengths, its mask and bias; gathered into padded tensors."""
     batch, seq_q, heads, _ = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -241,8 +244,9 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
         out=torch.zeros(batch, seq_q, heads, v.shape[-1], dtype=f64, device=device), dq=None, dk=None, dv=None,
         lse=torch.full((batch, heads, seq_q), float("-inf"), dtype=f64, device=device))
     if dout is not None:
-        result.dq = torch.zeros(q.shape, dtype=f64, device=device)
-        result.dk = torch.zeros(k.shape, dtype=f64, device=device)
+        if not value_gradient_only:
+            result.dq = torch.zeros(q.shape, dtype=f64, device=device)
+            result.dk = torch.zeros(k.shape, dtype=f64, device=device)
         result.dv = torch.zeros(v.shape, dtype=f64, device=device)
         if with_terms:
             result.out_terms = torch.zeros(batch, seq_q, heads, 2, dtype=f64, device=device)
@@ -261,7 +265,8 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
             q[b:b + 1, :len_q], k[b:b + 1, :len_kv], v[b:b + 1, :len_kv],
             None if dout is None else dout[b:b + 1, :len_q], semantics.visibility(b), softmax_scale,
             bias=semantics.bias_of(b, len_q, len_kv, device), allowed=allowed, sink=semantics.sink,
-            block_bytes=block_bytes, with_terms=with_terms, sink_gradient=semantics.learnable_sink)
+            block_bytes=block_bytes, with_terms=with_terms, sink_gradient=semantics.learnable_sink,
+            value_gradient_only=value_gradient_only)
         result.out[b, :len_q] = one.out[0]
         result.lse[b, :, :len_q] = one.lse[0]
         for name in ("dq", "dk", "dv", "out_terms", "dq_terms", "dk_terms", "dv_terms"):
@@ -277,7 +282,7 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None, vis: Visibility,
                softmax_scale: float, *, bias: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
                sink: torch.Tensor | None = None, block_bytes: int | None = None,
-               with_terms: bool = True, sink_gradient: bool = False) -> Reference:
+               with_terms: bool = True, sink_gradient: bool = False, value_gradient_only: bool = False) -> Reference:
     """The tiled computation for sequences that share one visibility: `bias` float64 broadcastable to
     [heads, seq_q, seq_kv], `allowed` bool [seq_q, seq_kv] (True = visible, one sequence), `sink` [heads]
     (its gradient computed with `sink_gradient`: a learnable sink's)."""
@@ -304,9 +309,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
     out = torch.zeros(pairs, group, seq_q, head_dim_v, dtype=f64, device=device)
     lse = torch.full((pairs, group, seq_q), float("-inf"), dtype=f64, device=device)
     grads = terms = dsink = None
+    if value_gradient_only and with_terms:
+        raise ValueError("the term magnitudes need every gradient")
     if dout is not None:
-        grads = (torch.zeros(pairs, group, seq_q, head_dim, dtype=f64, device=device),
-                 torch.zeros(pairs, seq_kv, head_dim, dtype=f64, device=device),
+        grads = (None if value_gradient_only else torch.zeros(pairs, group, seq_q, head_dim, dtype=f64, device=device),
+                 None if value_gradient_only else torch.zeros(pairs, seq_kv, head_dim, dtype=f64, device=device),
                  torch.zeros(pairs, seq_kv, head_dim_v, dtype=f64, device=device))
         if sink64 is not None and sink_gradient:  # per (pair, group member): the sink's gradient and its terms
             dsink = torch.zeros(pairs, group, 3, dtype=f64, device=device)
@@ -327,7 +334,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
         p1 = min(pairs, p0 + plan.pairs)
         kv_head = torch.arange(p0, p1, device=device) % kv_heads  # each pair's kv head
         chunk = _Chunk(k_ext[p0:p1], v_ext[p0:p1], out[p0:p1], lse[p0:p1], score_precision,
-                       None if grads is None else tuple(g[p0:p1] for g in grads),
+                       None if grads is None else tuple(None if g is None else g[p0:p1] for g in grads),
                        k_norms=None if shift_free else k_ext[p0:p1, :, :head_dim].norm(dim=-1),
                        terms=None if terms is None else tuple(t[p0:p1] for t in terms),
                        v_squared=None if terms is None else v_squared[p0:p1],
@@ -364,8 +371,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
         sink_grad = {"dsink": per_head[..., :1].clone(), "dsink_terms": per_head[..., 1:].clone() if with_terms else None}
     return Reference(
         out=to_bshd(out),
-        dq=None if grads is None else to_bshd(grads[0]),
-        dk=None if grads is None else kv_to_bshd(grads[1]),
+        dq=None if grads is None or grads[0] is None else to_bshd(grads[0]),
+        dk=None if grads is None or grads[1] is None else kv_to_bshd(grads[1]),
         dv=None if grads is None else kv_to_bshd(grads[2]),
         lse=lse.reshape(batch, heads, seq_q),
         **({} if terms is None else {f"{name}_terms": rows_to_bsh(t, name in ("out", "dq"))
@@ -523,6 +530,9 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
         else:
             probs = probabilities(q_side, k_side, c0, c1)
         dv[:, c0:c1].baddbmm_(probs.transpose(1, 2), dob)
+        if dq is None:  # the value gradient alone
+            del probs
+            continue
         dscores = torch.bmm(do_ext, chunk.v_ext[:, c0:c1].transpose(1, 2)).mul_(probs)
         if dqb is None:
             dqb = torch.bmm(dscores, keys[:, c0:c1])
@@ -540,7 +550,8 @@ def _attend_block(chunk: _Chunk, block: _Block, q_scaled: torch.Tensor, dob: tor
             row_out_terms = row_out_terms + torch.bmm(probs, v_sq[:, c0:c1])
             terms[3][:, c0:c1] += torch.bmm(probs.transpose(1, 2), do_sq)
         del probs
-    dq[:, :, q0:q1] = (dqb * softmax_scale).view(pairs, group, n, head_dim)
+    if dq is not None:
+        dq[:, :, q0:q1] = (dqb * softmax_scale).view(pairs, group, n, head_dim)
     if terms is not None:
         both = torch.cat([torch.ones_like(amplified), amplified], -1)
         terms[1][:, :, q0:q1] = (row_dq_terms * both * softmax_scale**2).view(pairs, group, n, 2)

@@ -25,6 +25,7 @@ OUTLIER_EVERY = 32  # outliers: one outlier channel per this many head-dim chann
 LOGIT_SCALE = 4.0  # large-logits: q and k's factor (scores' std = 4 * 4 = 16)
 RANK = 4  # structured: the rank of q, k, v (at most the head dim)
 KEY_MEAN_SCALE = 4.0  # structured: the std of the entries of each head's shared key mean vector
+SHARED_DIRECTION = 2.0  # deep-layer: a head's keys' (and values') shared direction, in units of sqrt(head_dim)
 # The side inputs (explicit mask, bias, sink logits) come from a generator of their own, seeded from the
 # case's seed plus this, so that q, k, v and dout are drawn exactly as in a case without them.
 SIDE_SEED_OFFSET = 1_000_003
@@ -70,6 +71,14 @@ def draw_inputs(case: dict, device: torch.device | str) -> tuple[torch.Tensor, .
         k = low_rank(skv, hkv)
         k = k.add_(randn(hkv, d).mul_(KEY_MEAN_SCALE)).to(dtype)  # every key of a head shares its mean vector
         v = low_rank(skv, hkv, dv).to(dtype)
+    elif case["inputs"] == "deep-layer":
+        def shared(heads: int, width: int) -> torch.Tensor:
+            direction = randn(heads, width)
+            return direction.mul_(SHARED_DIRECTION * width ** 0.5 / direction.norm(dim=-1, keepdim=True))
+
+        q = randn(b, s, h, d).to(dtype)
+        k = randn(b, skv, hkv, d).add_(shared(hkv, d)).to(dtype)
+        v = randn(b, skv, hkv, dv).add_(shared(hkv, dv)).to(dtype)
     else:  # normal, outliers, large-logits: standard normal, then scaled
         q_scale = k_scale = v_scale = None  # a factor, or one per head-dim channel
         if case["inputs"] == "outliers":
@@ -591,6 +600,19 @@ def error_figures(sums: dict[str, torch.Tensor]) -> dict[str, float | int]:
     }
 
 
+# --- what a correct flash-style backward gets ----------------------------------------------------------------
+
+def output_rounding_moves(q: torch.Tensor, dout: torch.Tensor, exact_out: torch.Tensor, returned_out: torch.Tensor,
+                          softmax_scale: float, attend_keys) -> dict[str, torch.Tensor]:
+    """How far a backward taking D_i = dO_i . O_i from `returned_out` (rounded) moves dQ and dK from the exact
+    ones, float64 bshd. `attend_keys(g)`: the case's exact attention with the keys as values and output gradient
+    g, as (out, dv): P K and P^T g."""
+    f64 = torch.float64
+    moved = (dout.to(f64) * (returned_out.to(f64) - exact_out.to(f64))).sum(-1, keepdim=True)  # dD
+    through_keys, back = attend_keys(moved * q.to(f64))
+    return {"dq": -softmax_scale * moved * through_keys, "dk": -softmax_scale * back}
+
+
 # --- the verdict ----------------------------------------------------------------------------------------------
 
 EPS = {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23}
@@ -604,17 +626,32 @@ FLOAT64_U = 2.0**-53  # float64's unit roundoff
 REFERENCE_HEADROOM = 10.0  # float64's worst-case rounding must stay this far below the largest error that passes
 
 
-def judge_figures(m: dict, base: dict, dtype: str, multiple: float, accumulation: int = 0) -> dict:
+def flash_style_figures(base: dict, flash: dict | None) -> dict:
+    """A correct flash-style backward's error figures: the baseline's and `flash` (what taking D from the rounded
+    output adds) in quadrature, their biases' larger; the baseline's where `flash` is None or not finite."""
+    own = {"scaled": base["scaled"], "worst": base["worst"], "bias": abs(base["bias"]),
+           "head_bias": max(abs(base["bias"]), abs(base["head_bias"]))}
+    if flash is None or not all(math.isfinite(flash[name]) for name in ("scaled", "worst", "bias", "head_bias")):
+        return own
+    return {"scaled": math.hypot(own["scaled"], flash["scaled"]), "worst": math.hypot(own["worst"], flash["worst"]),
+            "bias": max(own["bias"], abs(flash["bias"])),
+            "head_bias": max(own["head_bias"], abs(flash["bias"]), abs(flash["head_bias"]))}
+
+
+def judge_figures(m: dict, base: dict, dtype: str, multiple: float, accumulation: int = 0,
+                  flash: dict | None = None) -> dict:
     """The rule on a tensor's `error_figures` and the baseline's: `failed`, the check that fails ("nonfinite",
     "empty rows", "error", "worst head", "bias", "head bias"; "" for none), the yardsticks (the baseline's
-    error, never below rounding noise), the ratios to them, and `margin` (the deciding quantity over its limit).
+    error, never below rounding noise; with `flash`, a flash-style backward's: `flash_style_figures`), the ratios
+    to them, and `margin` (the deciding quantity over its limit).
     `inconclusive` names why no verdict can be given ("" when one can): "reference" (float64 has NaN/Inf, or an
     error cannot be measured against its terms' scale), "float64" (float64's own rounding over `accumulation`
     terms per sum approaches the limit), "baseline" (the baseline itself has NaN/Inf where float64 has none, so
     its error is no yardstick; a verdict on the candidate's own NaN/Inf or empty rows needs none)."""
     floor = NOISE_EPS[dtype] * EPS[dtype]
     noise, head_noise = floor * m["noise"], floor * m["head_noise"]
-    yardstick, head_yardstick = max(base["scaled"], noise), max(base["worst"], head_noise)
+    correct = flash_style_figures(base, flash)
+    yardstick, head_yardstick = max(correct["scaled"], noise), max(correct["worst"], head_noise)
     ratio, head_ratio = safe_ratio(m["scaled"], yardstick), safe_ratio(m["worst"], head_yardstick)
     found = {"failed": "", "noise": noise, "head_noise": head_noise, "yardstick": yardstick,
              "head_yardstick": head_yardstick, "ratio": ratio, "head_ratio": head_ratio,
@@ -629,8 +666,8 @@ def judge_figures(m: dict, base: dict, dtype: str, multiple: float, accumulation
         found["failed"] = "worst head"
     elif m["cancellation"] >= CANCELLED:  # a bias relative to a vanishing exact tensor means nothing
         for check, bias, z, base_bias in (
-            ("bias", m["bias"], m["bias_z"], abs(base["bias"])),
-            ("head bias", m["head_bias"], m["head_bias_z"], max(abs(base["bias"]), abs(base["head_bias"]))),
+            ("bias", m["bias"], m["bias_z"], correct["bias"]),
+            ("head bias", m["head_bias"], m["head_bias_z"], correct["head_bias"]),
         ):
             limit = max(BIAS_EPS[dtype] * EPS[dtype], multiple * base_bias)
             if abs(z) >= BIAS_Z and abs(bias) >= limit:

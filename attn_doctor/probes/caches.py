@@ -59,8 +59,9 @@ class Measured:
 
 
 class CaseCache:
-    """Inputs and reference of the most recent case. `reference_seconds` is what getting the reference cost
-    this process; `reference_source` says how ("shared" or "computed")."""
+    """Inputs and reference of the most recent case, and what a correct flash-style backward's output rounding
+    makes on it (`flash_style`, computed on first request). `reference_seconds` is what getting the reference
+    cost this process; `reference_source` says how ("shared" or "computed")."""
 
     def __init__(self, device: torch.device, source_of: SourceOf = seeded):
         self.device = device
@@ -72,10 +73,12 @@ class CaseCache:
         self.reference_source = ""
         self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's reference, mapped, if the job had one
         self.measured = Measured(device)  # the case's tensors already compared (`Measured`)
+        self._flash_style: dict | None = None
+        self.flash_style_seconds = 0.0
 
     def get(self, case: Case) -> tuple[Inputs, Reference]:
         if case.key() != self._key:
-            self._inputs = self._reference = None  # free the previous case before building the next
+            self._inputs = self._reference = self._flash_style = None  # free the previous case first
             self.measured.clear()
             inputs = make_inputs(case, self.device, self.source_of(case))
             start = time.perf_counter()
@@ -92,9 +95,21 @@ class CaseCache:
             self._key, self._inputs, self._reference = case.key(), inputs, reference
         return self._inputs, self._reference
 
+    def flash_style(self, case: Case, masks: dict) -> dict:
+        """`attn_doctor.numerics.rounded_output.case_figures` of the case (its compared rows `masks`), once."""
+        from attn_doctor.numerics.rounded_output import case_figures
+
+        inputs, reference = self.get(case)
+        if self._flash_style is None:
+            start = time.perf_counter()
+            self._flash_style = case_figures(case, inputs.q, inputs.k, inputs.dout, reference, inputs.semantics, masks)
+            synchronize(self.device)
+            self.flash_style_seconds = time.perf_counter() - start
+        return self._flash_style
+
     def clear(self) -> None:
         """Drop the case; a shared reference is released, so the parent can free it."""
-        self._key = self._inputs = self._reference = None
+        self._key = self._inputs = self._reference = self._flash_style = None
         self.measured.clear()
 
 

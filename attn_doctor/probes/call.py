@@ -1,5 +1,7 @@
 """A CALL probe: one backend, one case, one memory layout, measured against float64 (`--repeats N`: N
-times on the same inputs, judged on the worst repeat)."""
+times on the same inputs, judged on the worst repeat). The baseline's probe also measures, once per case, what a
+correct flash-style backward's output rounding makes on it (`attn_doctor.numerics.rounded_output`): the part of
+flash-style paths' yardstick the baseline's own error does not hold."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import time
 
 import torch
 
-from attn_doctor.backends import Backend, Unsupported
+from attn_doctor.backends import BASELINE, Backend, Unsupported
 from attn_doctor.core import layouts
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import kernel_code
@@ -114,4 +116,9 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
         del got
         seconds["compare"] += time.perf_counter() - start
     ran = "; then ".join(dict.fromkeys(ran_texts))  # one text, unless the library answered differently
-    return ProbeOutcome("ok", ran=ran, metrics=record.worst, seconds=seconds, extra=record.facts())
+    flash_style = {}
+    if coords.is_baseline(BASELINE):
+        flash_style = caches.case.flash_style(case, masks)
+        seconds["flash_style"] = caches.case.flash_style_seconds
+    return ProbeOutcome("ok", ran=ran, metrics=record.worst, seconds=seconds, extra=record.facts(),
+                        flash_style=flash_style)

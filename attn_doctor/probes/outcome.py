@@ -15,6 +15,9 @@ class ProbeOutcome:
     metrics: dict[str, TensorMetrics] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # probe-specific facts (per-layer errors, pairwise distances)
+    # The baseline's probe only: the error a correct flash-style backward's output rounding makes on the case's
+    # dQ and dK (`attn_doctor.numerics.rounded_output`), part of flash-style paths' yardstick
+    flash_style: dict[str, TensorMetrics] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -24,4 +27,5 @@ class ProbeOutcome:
             "metrics": {name: m.to_dict() for name, m in self.metrics.items()},
             "seconds": self.seconds,
             "extra": self.extra,
+            "flash_style": {name: m.to_dict() for name, m in self.flash_style.items()},
         }

@@ -53,6 +53,8 @@ def fit_sections(fixed: int, sections: list[Section]) -> list[list[str]]:
     """Each section rendered within its share of what the fixed parts (`fixed` characters) leave of GitHub's
     limit; what a section does not need goes to the others, in proportion to their shares."""
     room = max(GITHUB_LIMIT - fixed - SLACK, 0)
+    if sum(s.size() for s in sections) <= room:  # everything fits: no share needs working out
+        return [s.render(s.size()) for s in sections]
     budgets = {i: room * s.share for i, s in enumerate(sections)}
     needy = {i for i, s in enumerate(sections) if s.size() > budgets[i]}
     spare = sum(budgets[i] - sections[i].size() for i in budgets if i not in needy)

@@ -37,8 +37,9 @@ from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import FAIL, rule_sentence
 
-# The repro is inlined while the rest of the body keeps at least this much room for its lists.
-LIST_ROOM = 8_000
+# The repro is inlined while the rest of the body keeps what its lists need, or at least this much room for them
+# (cut to fit what is left): 4,500 keeps a TE path's repro of a flash-style case (55,000 characters) inline.
+LIST_ROOM = 4_500
 DETAIL_CHARS = 3_000  # of a crash's detail (its last lines: where it died)
 
 
@@ -55,12 +56,15 @@ def report_issue(data: ReportData) -> str:
                  "tracker of the library that provides it._"), ""]
     top += ["**Describe the bug**", "", summary(fault), ""]
     top += minimal_case(fault)
-    top += reproduce(fault, room=GITHUB_LIMIT - SLACK - LIST_ROOM - sum(len(line) + 1 for line in top))
-    top += expected(fault)
+    after = expected(fault)
     bottom = environment(data.report) + additional_context(data.report)
     sections = [right_paths_section(fault), known_section(data.known), locations_section(data.known),
                 faults_section(fault)]
     shown = [s for s in sections if s is not None]
+    lists = min(LIST_ROOM, sum(s.size() for s in shown))  # what the lists need, up to their reserved room
+    fixed = sum(len(line) + 1 for line in top + after + bottom)
+    top += reproduce(fault, room=GITHUB_LIMIT - SLACK - lists - fixed)
+    top += after
     fitted = fit_sections(sum(len(line) + 1 for line in top + bottom), shown)
     return "\n".join(top + [line for lines in fitted for line in lines] + bottom)
 

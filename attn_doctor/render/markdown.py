@@ -35,7 +35,7 @@ from attn_doctor.render.report_data import (
 from attn_doctor.results.bisect_record import BisectRecord
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.depth import depth_lines
-from attn_doctor.verdict.diagnosis import tally
+from attn_doctor.verdict.diagnosis import flash_style_notes, tally
 from attn_doctor.verdict.rule import rule_sentence
 
 escape = md_escape
@@ -134,6 +134,9 @@ def report_markdown(data: ReportData) -> str:
             f"{TENSOR_TITLES.get(n, n)} {nonzero} of {values} values" for n, (nonzero, values) in row.padding_writes.items())
         for row in report.rows if row.padding_writes], [""], share=0.05)
     results = _results_section(report.rows)
+    flash_style = Section(["**Flash-style paths judged with their own output rounding** (what a correct "
+                           "flash-style backward gets on these inputs; see how a verdict is reached):", ""],
+                          [f"- {escape(note)}" for note in flash_style_notes(report.rows)], [""], share=0.05)
     depth = depth_markdown(report.rows).split("\n")
     depth = Section(["### dQ against depth", "",
                      ("dQ of a Megatron-style GPT stack with this backend as core attention, against the stack's "
@@ -169,7 +172,7 @@ def report_markdown(data: ReportData) -> str:
     repros = Section(["<details><summary>The bisects' standalone repro scripts</summary>", ""], [
         "\n".join(repro_lines(bisect.repro_name, bisect.repro)) for bisect in data.bisects if bisect.repro],
         ["</details>", ""], share=0.25)
-    order = (writes, results, depth, reproduce if failing else None, repros, whys, skipped, errors)
+    order = (writes, results, flash_style, depth, reproduce if failing else None, repros, whys, skipped, errors)
     sections = [s for s in order if s is not None and s.items]
     fitted = dict(zip(map(id, sections), fit_sections(sum(len(x) + 1 for x in top + bottom), sections)))
     return "\n".join(top + [line for s in order for line in fitted.get(id(s), [])] + bottom)

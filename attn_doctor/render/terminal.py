@@ -28,6 +28,7 @@ from attn_doctor.render.format import (
 )
 from attn_doctor.render.report_data import tensor_names
 from attn_doctor.results.row import Row
+from attn_doctor.verdict.diagnosis import flash_style_notes
 from attn_doctor.verdict.rule import TENSORS, floor_text, multiple_text
 
 VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold magenta", "INCONCLUSIVE": "bold yellow",
@@ -148,6 +149,11 @@ def padding_lines(rows: list[Row]) -> list[Text]:
     return lines
 
 
+def flash_style_lines(rows: list[Row]) -> list[Text]:
+    """Flash-style paths that pass on what a correct flash-style backward gets (`verdict.diagnosis`)."""
+    return [Text.assemble(("flash-style ", "dim"), note) for note in flash_style_notes(rows)]
+
+
 FAILURE_LINES = 12  # at most this many "why" lines under a run's table; the report has all of them
 
 
@@ -211,6 +217,7 @@ def run_view(report, title: str, wide: bool = False) -> list:
     views += notes_lines(report.rows)
     views += case_lines(report.rows)
     views += padding_lines(report.rows)
+    views += flash_style_lines(report.rows)
     views += failure_lines(report.rows)
     views.append(summary_text(report))
     return views
@@ -255,7 +262,8 @@ def depth_table(lines) -> Table:
 
 
 def sweep_view(report) -> list:
-    """`sweep`'s output: per-backend counts, the depth table, the ERROR rows' reasons, the verdict."""
+    """`sweep`'s (and `replay`'s) output: per-backend counts, the depth table, the ERROR rows' reasons, the
+    flash-style paths that pass on their own output rounding, the verdict."""
     from attn_doctor.verdict.diagnosis import tally
 
     views: list = [tally_table(tally(report.rows))]
@@ -263,6 +271,7 @@ def sweep_view(report) -> list:
         views.append(depth_table(report.depth_lines))
     views += repeat_lines(report.rows)
     views += notes_lines([r for r in report.rows if r.verdict == "ERROR"])
+    views += flash_style_lines(report.rows)
     if report.seconds.get("points"):
         views.append(Text(f"{report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s: "
                           f"{report.seconds['points per minute']:.1f} cases per minute", style="dim"))

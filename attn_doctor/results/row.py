@@ -21,6 +21,8 @@ class Row:
     detail: str = ""
     metrics: dict[str, TensorMetrics] = field(default_factory=dict)
     tensors: dict[str, TensorVerdict] = field(default_factory=dict)
+    # The baseline's row only: what a correct flash-style backward's output rounding makes on the case (dQ, dK)
+    flash_style: dict[str, TensorMetrics] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # probe-specific facts (per-layer errors, distances)
     internal: bool = False  # an ERROR that is attn-doctor's own failure, not the kernel's
@@ -127,7 +129,7 @@ def _tensor_verdict(name: str, d: dict[str, Any]) -> TensorVerdict:
         elif key in ("bias_failed", "borderline"):
             if not isinstance(value, bool):
                 raise ValueError(f"tensor {name}: {key} is {value!r}, not true or false")
-        elif key == "worst_row_err" and value is None:
+        elif key in ("worst_row_err", "flash_style_err") and value is None:
             continue
         elif not isinstance(value, numbers.Real) or isinstance(value, bool):
             raise ValueError(f"tensor {name}: {key} is {value!r}, not a number")

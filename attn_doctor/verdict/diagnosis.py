@@ -11,7 +11,16 @@ from typing import Any
 
 from attn_doctor.backends import BASELINE
 from attn_doctor.verdict.depth import depth_findings, depth_lines, depth_sentence
-from attn_doctor.verdict.rule import BORDERLINE, ERROR, FAIL, INCONCLUSIVE, NOISE_YARDSTICK, PASS, SKIP
+from attn_doctor.verdict.rule import (
+    BORDERLINE,
+    ERROR,
+    FAIL,
+    INCONCLUSIVE,
+    NOISE_YARDSTICK,
+    PASS,
+    SKIP,
+    flash_style_note,
+)
 from attn_doctor.verdict.view import RowView
 
 
@@ -203,6 +212,25 @@ def borderline_passes(rows: list[RowView]) -> list[str]:
             if t.verdict == PASS and t.borderline and not row.coords.is_baseline(BASELINE):
                 close.append(f"{row.backend} {name}")
     return list(dict.fromkeys(close))
+
+
+def flash_style_notes(rows: list[RowView]) -> list[str]:
+    """Per flash-style path whose dQ or dK passed on a yardstick that rests on a flash-style backward's own output
+    rounding (`attn_doctor.verdict.rule`): the closest of its passing tensors' notes, where, and on how many other
+    rows it did so, so a user sees why a kernel several times the baseline's error is right."""
+    found: dict[str, list[tuple[float, str, str]]] = defaultdict(list)
+    for row in rows:
+        for name, t in row.tensors.items():
+            note = flash_style_note(name, t)
+            if note:
+                found[row.backend].append((t.ratio, f"{row.layout}, {row.case.short()}" if len(
+                    {r.case.key() for r in rows}) > 1 else row.layout, note))
+    notes = []
+    for backend, passes in found.items():
+        _, where, note = max(passes)
+        others = len(passes) - 1
+        notes.append(f"{backend} ({where}) {note}" + (f" (and {others} more like it)" if others else ""))
+    return notes
 
 
 def exit_code(rows: list[RowView], requested: list[str] | None = None) -> int:

@@ -1,5 +1,7 @@
 """Measured rows -> per-tensor verdicts, each row against the baseline row of the same inputs, and against the
-other paths run on them (the baseline must not be out of line with them: `attn_doctor.verdict.rule`)."""
+other paths run on them (the baseline must not be out of line with them: `attn_doctor.verdict.rule`). A
+flash-style path's dQ and dK are judged with what its output rounding makes on the case, which the baseline's row
+carries (`attn_doctor.numerics.rounded_output`)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import math
 import statistics
 from collections import defaultdict
 
-from attn_doctor.backends import BASELINE
+from attn_doctor.backends import BASELINE, flash_style
 from attn_doctor.core.coords import ProbeKind
+from attn_doctor.numerics.metrics import TensorMetrics
 from attn_doctor.numerics.standalone import EPS, MULTIPLE, judge_figures
 from attn_doctor.verdict.rule import (
     ERROR,
@@ -43,7 +46,8 @@ def judge(rows: list[RowView]) -> list[RowView]:
             row.reason = "no baseline: the local baseline did not run on these inputs"
             continue
         row.tensors = {
-            name: judge_tensor(name, metrics, base.metrics[name], row.case.dtype, accumulation(row.case, name))
+            name: judge_tensor(name, metrics, base.metrics[name], row.case.dtype, accumulation(row.case, name),
+                               own_rounding(row, base, name))
             for name, metrics in row.metrics.items()
             if name in base.metrics
         }
@@ -61,6 +65,14 @@ def judge(rows: list[RowView]) -> list[RowView]:
         if row.coords.kind is ProbeKind.DISTRIBUTED:
             apply_rank_verdicts(row)
     return rows
+
+
+def own_rounding(row: RowView, base: RowView, name: str) -> TensorMetrics | None:
+    """What a flash-style path's own output rounding makes in tensor `name` on the row's inputs (the baseline's
+    row measured it), or None where it is no part of the yardstick (another path, another tensor)."""
+    if name not in base.flash_style or not flash_style(row.coords.backend):
+        return None
+    return base.flash_style[name]
 
 
 def undecided_reason(tensors: dict[str, TensorVerdict]) -> str:
@@ -94,7 +106,9 @@ def against_peers(group: list[RowView], base: RowView) -> None:
                              for path in by_path])
             second = {**figures_of(base.metrics[name]), "scaled": _median(list(by_path.values())), "worst": worst}
             kind = name.split("_")[0]
-            other = judge_figures(figures_of(row.metrics[name]), second, row.case.dtype, MULTIPLE[kind])
+            flash = own_rounding(row, base, name)
+            other = judge_figures(figures_of(row.metrics[name]), second, row.case.dtype, MULTIPLE[kind],
+                                  flash=figures_of(flash) if flash is not None else None)
             if not other["failed"]:
                 row.tensors[name] = dataclasses.replace(verdict, verdict=INCONCLUSIVE, why=_peers_why(
                     verdict, other, second, sorted(by_path), row.case.dtype))

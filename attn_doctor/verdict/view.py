@@ -17,6 +17,7 @@ class RowView(Protocol):
     reason: str
     ran: str
     metrics: dict[str, TensorMetrics]
+    flash_style: dict[str, TensorMetrics]  # the baseline's row: a correct flash-style backward's own part
     tensors: dict[str, TensorVerdict]
     extra: dict[str, Any]
     internal: bool

@@ -16,7 +16,9 @@ built from Megatron-LM's source tree, not shipped in the megatron-core wheel. Ra
 gloo (NCCL refuses two ranks on one device); `--backend` overrides.
 
 `--faulty-rank R --faulty-layer L` makes rank R's layer L attention wrong the way a faulty kernel is (its softmax
-drops the last key), inside the core attention call the capture records.
+drops each query's own key, as a causal mask one off would), inside the core attention call the capture records.
+(Dropping the last key, as it did before, is no fault at seq 1024 under a causal mask: only the last query sees
+that key, with a weight near 1/1024, which moves its output less than bf16 rounds it.)
 """
 
 from __future__ import annotations
@@ -75,12 +77,12 @@ def set_weights(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
             param.copy_(value.to(param.dtype))
 
 
-def _drop_the_last_key(softmax: torch.nn.Module) -> None:
+def _drop_the_own_key(softmax: torch.nn.Module) -> None:
     original = softmax.forward
 
     def faulty(scores, mask, *rest):
         probs = original(scores, mask, *rest).clone()
-        probs[..., -1] = 0
+        probs.diagonal(dim1=-2, dim2=-1).zero_()
         return probs
 
     softmax.forward = faulty
@@ -154,7 +156,7 @@ def main() -> None:
     model = gpt if dtype == torch.float32 else Float16Module(config, gpt)
     if args.faulty_rank == rank and args.faulty_layer is not None:
         attention = gpt.decoder.layers[args.faulty_layer - 1].self_attention.core_attention
-        _drop_the_last_key(attention.scale_mask_softmax)
+        _drop_the_own_key(attention.scale_mask_softmax)
 
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)

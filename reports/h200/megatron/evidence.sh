@@ -4,10 +4,11 @@
 # values, compared pairwise and replayed. Run from the project root on the GPU machine, after TE 2.20.2
 # (../shared/device/stage-te.sh) and megatron-core 0.19.2 (a wheel, pip install --no-index --no-deps) are installed.
 # Usage: bash reports/h200/megatron/evidence.sh PART OUTDIR   (PART: local | te | replay)
-#   local:  the local spec alone, TP=1 and TP=2 (needs no TE)
+#   local:  the local spec alone, TP=1, TP=2 and the faulty TP=2, compared; TP=1 replayed (needs no TE)
 #   te:     the TE spec at TP=1 and TP=2, the local spec at TP=1 and TP=2 (and at TP=2 with rank 1's layer 3
-#           attention dropping its last key); the five comparisons
-#   replay: every path on the captures `te` made (their calls with values)
+#           attention dropping each query's own key); the five comparisons
+#   replay: every path on the captures `te` made (their calls with values); how large a direction their keys
+#           and values share (benchmarks/evidence/shared_direction.py)
 # Two ranks share the one GPU: their process group is gloo (NCCL refuses two ranks on one device).
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
@@ -28,7 +29,10 @@ local)
       > "$out/versions.txt" 2>&1
   capture local-tp1 python3 "${MODEL[@]}" --impl local
   capture local-tp2 "${TP2[@]}" "${MODEL[@]}" --impl local --tp 2
+  capture local-tp2-faulty "${TP2[@]}" "${MODEL[@]}" --impl local --tp 2 --faulty-rank 1 --faulty-layer 3
   compare local-tp1 local-tp2
+  compare local-tp1 local-tp2-faulty
+  step replay-local-tp1 $A replay "$CAPTURES/local-tp1" --out "$out/replay-local-tp1"
   ;;
 te)
   step env $A env
@@ -49,5 +53,6 @@ replay)
   for name in te-tp1 local-tp1 te-tp2; do
     step "replay-$name" $A replay "$CAPTURES/$name" --out "$out/replay-$name"
   done
+  step directions python3 benchmarks/evidence/shared_direction.py "$CAPTURES/te-tp1" "$CAPTURES/local-tp1"
   ;;
 esac
