@@ -642,8 +642,8 @@ def judge_figures(m: dict, base: dict, dtype: str, multiple: float, accumulation
                   flash: dict | None = None) -> dict:
     """The rule on a tensor's `error_figures` and the baseline's: `failed`, the check that fails ("nonfinite",
     "empty rows", "error", "worst head", "bias", "head bias"; "" for none), the yardsticks (the baseline's
-    error, never below rounding noise; with `flash`, a flash-style backward's: `flash_style_figures`), the ratios
-    to them, and `margin` (the deciding quantity over its limit).
+    error, never below rounding noise; with `flash`, a flash-style backward's: `flash_style_figures`, as
+    `correct`), the ratios to them, and `margin` (the deciding quantity over its limit).
     `inconclusive` names why no verdict can be given ("" when one can): "reference" (float64 has NaN/Inf, or an
     error cannot be measured against its terms' scale), "float64" (float64's own rounding over `accumulation`
     terms per sum approaches the limit), "baseline" (the baseline itself has NaN/Inf where float64 has none, so
@@ -655,7 +655,7 @@ def judge_figures(m: dict, base: dict, dtype: str, multiple: float, accumulation
     ratio, head_ratio = safe_ratio(m["scaled"], yardstick), safe_ratio(m["worst"], head_yardstick)
     found = {"failed": "", "noise": noise, "head_noise": head_noise, "yardstick": yardstick,
              "head_yardstick": head_yardstick, "ratio": ratio, "head_ratio": head_ratio,
-             "margin": max(ratio, head_ratio) / multiple}
+             "margin": max(ratio, head_ratio) / multiple, "correct": correct}
     if m["nan"] + m["inf"] and not base["ref_nonfinite"]:
         found.update(failed="nonfinite", margin=math.inf)
     elif m["empty_rows"] and (m["empty_nonfinite"] or m["empty_max"] > EMPTY_ROW_EPS * EPS[dtype]):

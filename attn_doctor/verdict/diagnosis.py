@@ -219,12 +219,13 @@ def flash_style_notes(rows: list[RowView]) -> list[str]:
     rounding (`attn_doctor.verdict.rule`): the closest of its passing tensors' notes, where, and on how many other
     rows it did so, so a user sees why a kernel several times the baseline's error is right."""
     found: dict[str, list[tuple[float, str, str]]] = defaultdict(list)
+    several_cases = len({row.case.key() for row in rows}) > 1
     for row in rows:
         for name, t in row.tensors.items():
             note = flash_style_note(name, t)
             if note:
-                found[row.backend].append((t.ratio, f"{row.layout}, {row.case.short()}" if len(
-                    {r.case.key() for r in rows}) > 1 else row.layout, note))
+                where = f"{row.layout}, {row.case.short()}" if several_cases else row.layout
+                found[row.backend].append((t.ratio, where, note))
     notes = []
     for backend, passes in found.items():
         _, where, note = max(passes)

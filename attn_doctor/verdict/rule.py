@@ -137,7 +137,6 @@ from attn_doctor.numerics.standalone import (
     FLOAT64_U,
     MULTIPLE,
     NOISE_EPS,
-    flash_style_figures,
     judge_figures,
 )
 
@@ -229,7 +228,7 @@ def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, d
     flash = figures_of(flash_style) if flash_style is not None else None
     found = judge_figures(figures, base, dtype, multiple, terms, flash)
     err, head_err, noise, yardstick = figures["scaled"], figures["worst"], found["noise"], found["yardstick"]
-    correct = flash_style_figures(base, flash)
+    correct = found["correct"]
     yardstick_kind = _kind(base["scaled"], correct["scaled"], noise)
     cancellation = candidate.cancellation if not math.isnan(candidate.scaled_err) else 1.0
     # Display units: relative to ||ref||, or to the terms' scale where the tensor cancels.
