@@ -76,8 +76,8 @@ def test_the_faulty_run_is_named_whichever_side_it_is_on(captures):
 @pytest.mark.slow
 @pytest.mark.torchrun
 def test_captures_without_common_values_are_bad_input(run_cli, captures, tmp_path):
-    with attn_doctor.capture(tmp_path / "meta-only"):
-        tiny_gpt.train(steps=1, layers=1)
+    with attn_doctor.capture(tmp_path / "meta-only"):  # the same model and data: nothing differs upstream
+        tiny_gpt.train(steps=1, layers=3)
     result = run_cli(["compare", captures["tp1"], tmp_path / "meta-only"])
     assert result.exit_code == 2 and "--values" in result.stderr
 

@@ -3,7 +3,8 @@
 call is captured and the run stays bitwise the same; the calls replay on every path; TP=1 against TP=2 (torchrun,
 gloo) is the same computation, and a faulty attention on one rank is named by layer and rank. And a module a user
 names (`--module`): its hand-written attention is captured, replayed and compared; a named module that is never
-called, or whose arguments the mapping does not find, is bad input."""
+called, or whose arguments the mapping does not find, is bad input. And (issue 42) runs that are not the same
+model: TP=2 drawn per rank as Megatron's GPU initialisation draws it, attention dropout, other data."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import attn_doctor
 from attn_doctor.tracing.clients import ModuleSpec, parse_module_spec
 from attn_doctor.tracing.compare import compare_captures
 from attn_doctor.tracing.replay_case import case_of
-from attn_doctor.tracing.store import read_capture
+from attn_doctor.tracing.store import read_capture, read_model_facts
+from attn_doctor.tracing.weights import SAME, joined
 
 pytest.importorskip("megatron.core")
 
@@ -37,14 +39,20 @@ def _capture(run_cli, out: Path, *command: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cli_runner) -> dict[str, Path]:
-    """TP=1, TP=2 and TP=2 with rank 1's layer 2 attention wrong, each a capture of two training steps."""
+    """TP=1, TP=2 and TP=2 with rank 1's layer 2 attention wrong, each a capture of two training steps; and runs
+    that are not the same model as TP=1: TP=2 initialised as on a GPU, attention dropout 0.1, other data."""
     from attn_doctor.cli import cli
 
     root = tmp_path_factory.mktemp("megatron")
     commands = {"tp1": [sys.executable, str(MODEL), *GPT, "--losses", str(root / "tp1.losses")],
                 "tp2": [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(MODEL), *GPT, "--tp", "2"],
                 "tp2-faulty": [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(MODEL), *GPT, "--tp", "2",
-                               "--faulty-rank", "1", "--faulty-layer", "2"]}
+                               "--faulty-rank", "1", "--faulty-layer", "2"],
+                # Megatron's GPU initialisation: each TP rank draws its own shards (seed + 2718 + rank)
+                "tp2-gpu-init": [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(MODEL), *GPT, "--tp", "2",
+                                 "--init", "gpu"],
+                "dropout": [sys.executable, str(MODEL), *GPT, "--attention-dropout", "0.1"],
+                "other-data": [sys.executable, str(MODEL), *GPT, "--data-seed", "2"]}
     for name, command in commands.items():
         result = cli_runner.invoke(cli, ["capture", "--out", str(root / name), "--values", "--", *command],
                                    catch_exceptions=False)
@@ -110,6 +118,8 @@ def test_tp1_and_tp2_are_the_same_computation(run_cli, runs):
     result = run_cli(["compare", runs["tp1"], runs["tp2"]])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
+    assert text.startswith("- same weights (41 tensors) - same data (the token ids of the first forward pass, "
+                           "[2, 16]) - no dropout in either run")  # the model's facts first, before the table
     assert "same within rounding" in text
     assert "attention on its own inputs: right in both runs" in text
     assert "the runs' difference: what their inputs' difference and each kernel's rounding explain" in text
@@ -126,6 +136,47 @@ def test_a_faulty_attention_on_one_tp_rank_is_named_by_layer_and_rank(run_cli, r
     assert "differs from layer 1 (layer_number 2) (step 0) on: megatron.DotProductAttention" in text
     assert text.endswith("on rank 1"), text
     assert "q, k, v: bitwise the same up to layer 0" in text  # the inputs agree: the fault is in attention
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_tp2_drawn_per_rank_as_on_a_gpu_is_not_the_same_model_and_no_kernel_is_blamed(run_cli, runs, tmp_path):
+    result = run_cli(["compare", runs["tp1"], runs["tp2-gpu-init"], "--json", tmp_path / "c.json"])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert text.startswith("- the runs' weights differ: 20 of 41 tensors, first embedding.word_embeddings.weight "
+                           "(fingerprints "), text
+    assert ("Megatron without --use-cpu-initialization draws each TP shard from its own seed (TP=1 and TP=2); rerun "
+            "with --use-cpu-initialization, or load one checkpoint in both runs") in text
+    assert text.endswith("not the same run: they differ upstream of attention (weights, said above), so no attention "
+                         "kernel is judged; make them the same and compare again")
+    assert " far " not in text and "differs from layer" not in text
+    document = json.loads((tmp_path / "c.json").read_text())
+    assert [f["topic"] for f in document["upstream"] if f["differs"]] == ["weights"]
+    assert all(t["far"] is None for layer in document["layers"] for t in layer["tensors"])
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_the_fingerprint_is_tp_invariant_on_megatrons_model_and_tells_two_draws_apart(runs):
+    whole, split, drawn = (joined(read_model_facts(runs[name])).prints for name in ("tp1", "tp2", "tp2-gpu-init"))
+    assert set(whole) == set(split) == set(drawn) and len(whole) == 41
+    assert max(whole[name].distance(split[name]) for name in whole) <= SAME
+    redrawn = [name for name in whole if whole[name].distance(drawn[name]) > 0.3]
+    assert len(redrawn) == 20 and "decoder.layers.0.self_attention.linear_qkv.weight" in redrawn
+    assert all(whole[name].distance(drawn[name]) <= SAME for name in whole if name not in redrawn)  # norms, biases
+
+
+@pytest.mark.slow
+def test_a_run_with_attention_dropout_or_other_data_is_flagged(run_cli, runs):
+    dropout = run_cli(["compare", runs["tp1"], runs["dropout"]])
+    text = " ".join(dropout.output.split())
+    assert dropout.exit_code == 1 and "- same weights (41 tensors)" in text
+    assert "trains with attention dropout 0.1: dropout draws random masks, so the run is not repeatable" in text
+    data = run_cli(["compare", runs["tp1"], runs["other-data"]])
+    text = " ".join(data.output.split())
+    assert data.exit_code == 1 and "the runs' data differ: the token ids of their first forward pass" in text
+    assert "differs from layer" not in text
 
 
 class _TEStandIn(torch.nn.Module):

@@ -49,8 +49,9 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
     """Run COMMAND (after --) unchanged and record every attention call it makes: TE DotProductAttention,
     torch's scaled_dot_product_attention, flash-attn and Megatron-Core's own core attention (and each --module),
     in every Python process it starts (torchrun too). Metadata always (shapes, strides, storage offsets, masks,
-    lengths, TE's chosen backend, rank, layer); values only with --values, for the selected calls. Never
-    captured: weights, data, other activations."""
+    lengths, TE's chosen backend, rank, layer); values only with --values, for the selected calls. Of the model,
+    once: a fingerprint of its weights, its dropout and softmax settings, a hash of its token ids (compare reads
+    them first). Never captured: weights, data, other activations."""
     from attn_doctor.tracing.clients import parse_module_spec, unrecorded_module
 
     specs = [parse_module_spec(text) for text in modules]

@@ -1,6 +1,8 @@
 """`attn-doctor compare A B`: two captures of one model and seed run differently, layer by layer
-(`attn_doctor.tracing.compare`). Exit 0 when they are the same within rounding, 1 when a run's attention is
-far from float64 where the other's is not or the runs' inputs differ from the first layer, 2 on bad input."""
+(`attn_doctor.tracing.compare`), after whether they are the same model, data and settings
+(`attn_doctor.tracing.upstream`). Exit 0 when they are the same within rounding, 1 when they differ upstream
+(weights, data, dropout), when a run's attention is far from float64 where the other's is not, or when the runs'
+inputs differ from the first layer; 2 on bad input."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application
               help="Write every layer's numbers here.")
 @click.pass_obj
 def compare(app: Application, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:
-    """Compare two captures of one model and seed layer by layer (TP=1 against TP=2, say): out, dQ, dK, dV of
-    every layer both recorded with --values, TP shards and CP chunks put back together, and the q, k, v each
-    run's attention got. Says "same within rounding" or the first layer where one run's attention is far from
+    """Compare two captures of one model and seed layer by layer (TP=1 against TP=2, say). First whether the runs
+    are the same model (weights' fingerprints), data and settings (dropout, softmax scale): while they are not, no
+    kernel is named. Then out, dQ, dK, dV of every layer both recorded with --values, TP shards and CP chunks put
+    back together, and the q, k, v each run's attention got. Says "same within rounding" or the first layer where one run's attention is far from
     float64, and on which rank; then in words whether the runs got the same q, k, v, whether each run's
     attention is right on its own inputs, and whether their difference is what their inputs' explains."""
     from attn_doctor.render.compare_view import comparison_document, comparison_table
@@ -29,6 +32,8 @@ def compare(app: Application, capture_a: Path, capture_b: Path, json_path: Path 
     from attn_doctor.tracing.compare import compare_captures
 
     comparison = compare_captures(capture_a, capture_b, (f"A ({capture_a})", f"B ({capture_b})"))
+    for line in comparison.upstream.lines():  # the same model, data and settings? before any kernel
+        app.console.print(f"- {line}")
     app.console.print(comparison_table(comparison, f"A = {capture_a}, B = {capture_b}"))
     for line in comparison.account():  # the three questions, then the answer
         app.console.print(f"- {line}")

@@ -1,7 +1,9 @@
-"""A comparison of two captures (`attn_doctor.tracing.compare.Comparison`) on a terminal and as JSON: per layer
+"""A comparison of two captures (`attn_doctor.tracing.compare.Comparison`) on a terminal and as JSON: whether the
+runs are the same model, data and settings (`attn_doctor.tracing.upstream`, printed before the table); per layer
 call, how far the runs' q, k, v are apart, and for out, dQ, dK, dV the runs' distance, the part the inputs
 explain and each run's error against float64 (marked "far" when it is a fault, "flash" when it is above the
-other run's but what a flash-style backward makes on its inputs); then the answer and its account in words."""
+other run's but what a flash-style backward makes on its inputs; neither while the runs differ upstream); then the
+answer and its account in words."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ def comparison_table(comparison: Comparison, title: str) -> Table:
         if layer.inputs_apart:
             table.add_row(str(layer.step), str(layer.layer), "q,k,v", f"{layer.inputs_distance:.2g}", "", "", "", "")
         for m in layer.measured:
-            mark = (f"{'AB'[m.faulty_run]} far" if m.faulty_run is not None else
-                    f"{'AB'[m.flash_run]} flash" if m.flash_run is not None else "")
+            mark = ("" if not comparison.judges_kernels else f"{'AB'[m.faulty_run]} far" if m.faulty_run is not None
+                    else f"{'AB'[m.flash_run]} flash" if m.flash_run is not None else "")
             table.add_row(str(layer.step), str(layer.layer), m.tensor, f"{m.d:.2g}", f"{m.e_in:.2g}", f"{m.e[0]:.2g}",
                           f"{m.e[1]:.2g}", mark)
     return table
@@ -31,11 +33,14 @@ def comparison_table(comparison: Comparison, title: str) -> Table:
 
 def comparison_document(comparison: Comparison) -> dict[str, Any]:
     """Every layer's numbers, the answer and its account."""
-    return {"answer": comparison.answer(), "account": comparison.account(), "same": comparison.same, "layers": [
+    return {"answer": comparison.answer(), "account": comparison.account(), "same": comparison.same,
+            "upstream": [{"topic": f.topic, "differs": f.differs, "text": f.text} for f in comparison.upstream.findings],
+            "layers": [
         {"step": layer.step, "layer": layer.layer, "layer_numbers": list(layer.layer_numbers), "apis": layer.apis,
          "skipped": layer.skipped, "inputs_apart": {n: layer.inputs_apart[n] for n in INPUTS if n in layer.inputs_apart},
          "tensors": [{"tensor": m.tensor, "d": m.d, "e_in": m.e_in, "e_a": m.e[0], "e_b": m.e[1],
                       "shards_a": m.shard_e[0], "shards_b": m.shard_e[1], "floor": m.floor,
                       "flash_a": m.flash_e[0], "flash_b": m.flash_e[1],
-                      "far": None if m.faulty_run is None else "AB"[m.faulty_run]} for m in layer.measured]}
+                      "far": None if m.faulty_run is None or not comparison.judges_kernels else "AB"[m.faulty_run]}
+                     for m in layer.measured]}
         for layer in comparison.layers]}

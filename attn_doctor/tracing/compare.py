@@ -2,6 +2,11 @@
 TE version against another), layer by layer, as TTrace (arXiv 2506.09280) compares a distributed run with a
 single-device one, with the threshold derived rather than guessed.
 
+First, whether the two runs are the same model, data and settings at all (`attn_doctor.tracing.upstream`:
+the weights' fingerprints, the token ids' hash, dropout, the softmax scale): while they differ there, no
+attention kernel is named (`Comparison.judges_kernels`), since a kernel is judged against the other run's on
+the same inputs.
+
 For every (step, layer) both captures have values of, each run's TP shards are put back together along the
 heads (in tp_rank order) and its CP ranks' chunks along the sequence (`_cp_run_of`); packed (thd) calls are put
 at their sequences' places in padded tensors, slot padding zeroed, a CP rank's packed tokens first put back at
@@ -48,6 +53,7 @@ from attn_doctor.numerics.masks import Semantics, valid_tokens
 from attn_doctor.tracing.replay_case import case_of, native_format
 from attn_doctor.tracing.replay_source import CAPTURED_SOURCE, as_bshd, captured_packing, with_heads
 from attn_doctor.tracing.store import CapturedCall, load_values, read_capture
+from attn_doctor.tracing.upstream import Upstream, check_upstream
 
 TENSORS = ("out", "dq", "dk", "dv")
 INPUTS = ("q", "k", "v")
@@ -123,8 +129,17 @@ class LayerComparison:
 class Comparison:
     labels: tuple[str, str]
     layers: list[LayerComparison]
+    upstream: Upstream = field(default_factory=Upstream)  # weights, data, dropout, settings: read first
+
+    @property
+    def judges_kernels(self) -> bool:
+        """Whether a run's attention may be named far from float64: only when the runs are the same model, data
+        and settings (`attn_doctor.tracing.upstream`): a kernel's error is judged against the other run's."""
+        return not self.upstream.differs
 
     def first_fault(self) -> tuple[LayerComparison, Measured] | None:
+        if not self.judges_kernels:
+            return None
         for layer in self.layers:
             for measured in layer.measured:
                 if measured.faulty_run is not None:
@@ -143,9 +158,12 @@ class Comparison:
 
     @property
     def same(self) -> bool:
-        return self.first_fault() is None and self.inputs_at_start() is None
+        return self.judges_kernels and self.first_fault() is None and self.inputs_at_start() is None
 
     def answer(self) -> str:
+        if not self.judges_kernels:
+            return (f"not the same run: they differ upstream of attention ({', '.join(self.upstream.differing)}, "
+                    "said above), so no attention kernel is judged; make them the same and compare again")
         found = self.first_fault()
         compared = [layer for layer in self.layers if layer.measured]
         if found is None:
@@ -199,6 +217,9 @@ class Comparison:
                 why = "the rounding of what comes before attention, carried through the layers"
             inputs = (f"q, k, v: {since} ({parts}, {first.inputs_distance / first.eps:.2g} eps){growth}: {why}")
         errors = [e for layer in compared for m in layer.measured for e in m.e]
+        if not self.judges_kernels:
+            return [inputs, "attention on its own inputs: not judged between runs that differ upstream (`attn-doctor "
+                            "replay` judges each capture's calls on their own)"]
         if found is None:
             kernels = (f"attention on its own inputs: right in both runs (float64 errors at most "
                        f"{max(errors):.2g}, as a correct kernel rounds)")
@@ -496,19 +517,23 @@ def _layer_number(call: CapturedCall) -> int | None:
     return number if isinstance(number, int) else None
 
 
-def _values_by_layer(root: Path) -> dict[tuple[int, int], list[CapturedCall]]:
+def _values_by_layer(calls: list[CapturedCall]) -> dict[tuple[int, int], list[CapturedCall]]:
     groups: dict[tuple[int, int], list[CapturedCall]] = {}
-    for call in read_capture(root):
+    for call in calls:
         if call.values_path is not None and call.dout_path is not None:
             groups.setdefault((call.meta["step"], call.meta["layer"]), []).append(call)
     return groups
 
 
 def compare_captures(root_a: Path, root_b: Path, labels: tuple[str, str] | None = None) -> Comparison:
-    """Layer by layer, the calls both captures have values of (see the module docstring)."""
-    a, b = _values_by_layer(root_a), _values_by_layer(root_b)
+    """First whether the runs are the same model, data and settings (`attn_doctor.tracing.upstream`); then layer
+    by layer, the calls both captures have values of (see the module docstring)."""
+    labels = labels or (str(root_a), str(root_b))
+    calls_a, calls_b = read_capture(root_a), read_capture(root_b)
+    upstream = check_upstream((root_a, root_b), (calls_a, calls_b), labels)
+    a, b = _values_by_layer(calls_a), _values_by_layer(calls_b)
     common = sorted(set(a) & set(b))
-    if not common:
+    if not common and not upstream.differs:
         raise BadInput(f"{root_a} and {root_b} have no (step, layer) with values in both; capture both with "
                        "--values and the same --layers/--steps")
     layers = []
@@ -536,4 +561,4 @@ def compare_captures(root_a: Path, root_b: Path, labels: tuple[str, str] | None 
                 (run_a.shard_e[name], run_b.shard_e[name]), FLOOR_EPS * max(run_a.eps, run_b.eps),
                 (_flash_e(run_a, name), _flash_e(run_b, name))))
         layers.append(entry)
-    return Comparison(labels or (str(root_a), str(root_b)), layers)
+    return Comparison(labels, layers, upstream)

@@ -22,7 +22,9 @@ recorded twice.
 Values (`values=True`) are recorded for the selected layers, steps and ranks only, within `max_bytes` per
 process: q, k, v, out and the masks after the forward; the output gradient and dQ, dK, dV when the backward
 reaches them (tensor hooks that return nothing, so no gradient changes). Nothing else is captured: no weights, no
-model inputs, no other activations.
+model inputs, no other activations. Of the model itself, once, at the first call of its first forward pass, its
+weights' fingerprint, run settings and a hash of its token ids (`Recorder._record_model`,
+`attn_doctor.tracing.model_facts`), which `compare` reads first.
 
 The layer is the first number in the module path (`decoder.layers.17.self_attention` -> 17: Megatron's and
 Hugging Face's naming), else the call's position within its forward pass. The step counts forward passes of the
@@ -148,27 +150,22 @@ _CALL_IMPL = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", N
 _CALLER = 4
 
 
-def _running_modules(frame: Any) -> Iterator[torch.nn.Module]:
-    """The modules whose forward is running in this thread, innermost first: the `self` of each of nn.Module's
-    call frames from `frame` up."""
+def _module_calls(frame: Any) -> Iterator[tuple[torch.nn.Module, Any]]:
+    """The modules whose forward is running in this thread, innermost first, each with its call frame: the `self`
+    of each of nn.Module's call frames from `frame` up. Read only when a call is recorded, so that the model's
+    other modules run without any hook of the capture (global module hooks cost every module call
+    microseconds)."""
     while frame is not None and _CALL_IMPL is not None:
         if frame.f_code is _CALL_IMPL:
             module = frame.f_locals.get("self")
             if isinstance(module, torch.nn.Module):
-                yield module
+                yield module, frame
         frame = frame.f_back
-
-
-def modules_on_stack(frame: Any) -> list[torch.nn.Module]:
-    """The modules whose forward is running in this thread, outermost first. Read only when a call is recorded,
-    so that the model's other modules run without any hook of the capture (global module hooks cost every
-    module call microseconds)."""
-    return list(_running_modules(frame))[::-1]
 
 
 def innermost_module(frame: Any) -> torch.nn.Module | None:
     """The innermost module whose forward is running in this thread."""
-    return next(_running_modules(frame), None)
+    return next((module for module, _ in _module_calls(frame)), None)
 
 
 def _layer_of(path: str) -> int | None:
@@ -333,22 +330,40 @@ class Recorder:
             if found is not None:
                 return found
         self._read = None  # a call outside the model's forward: the rank and parallel layout are read again
-        stack = modules_on_stack(sys._getframe(_CALLER))
-        if not stack:
+        calls = list(_module_calls(sys._getframe(_CALLER)))[::-1]
+        if not calls:
             return "", None
+        stack = [module for module, _ in calls]
         outermost = stack[0]
+        first = False
         with self._lock:
             if self._model is None:  # its first forward is running: step 0; the hook counts the next ones
                 self._model = outermost
                 self._undo.append(outermost.register_forward_pre_hook(self._next_step).remove)
                 self._undo.append(outermost.register_forward_hook(self._forward_done, always_call=True).remove)
+                first = True
             known = self._names.get(id(outermost))
             if known is None or known[0] is not outermost:
                 known = self._names[id(outermost)] = (outermost, {
                     id(m): (name, _layer_of(name)) for name, m in outermost.named_modules()})
             if outermost is self._model:
                 self._model_names = known[1]
+        if first:
+            self._record_model(outermost, calls[0][1].f_locals)
         return known[1].get(id(stack[-1]), (type(stack[-1]).__name__, None))
+
+    def _record_model(self, model: torch.nn.Module, call: dict[str, Any]) -> None:
+        """The model's facts (`attn_doctor.tracing.model_facts`: its weights' fingerprint, run settings, data),
+        once, from its first forward pass's call (`call`: the locals of its module call, its args and kwargs)."""
+        from attn_doctor.tracing.model_facts import model_facts
+
+        try:
+            rank, _, parallel = self._layout()
+            facts = model_facts(model, tuple(call.get("args", ())), dict(call.get("kwargs", {})), rank, parallel)
+            store.write_json(store.model_facts_path(self.root, rank, os.getpid()), facts)
+        except Exception as exc:  # noqa: BLE001 - the capture must never break the user's run
+            print(f"attn-doctor capture: the model's weights and settings not recorded ({type(exc).__name__}: "
+                  f"{exc})", file=sys.stderr)
 
     def _next_step(self, module: torch.nn.Module, args: Any) -> None:
         with self._lock:

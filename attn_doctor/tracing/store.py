@@ -10,6 +10,9 @@
     DIR/rank<R>/<PID>-call-<NNNNNN>.d{q,k,v}.safetensors  its input gradients, likewise
     DIR/rank<R>/notes-<PID>.jsonl             calls of a module named with --module that could not be
                                               recorded, and why (once per module and reason)
+    DIR/rank<R>/model-<PID>.json              what process PID recorded of the model at its first forward
+                                              pass: its weights' fingerprint, run settings, data hash
+                                              (`attn_doctor.tracing.model_facts`)
 
 Each call is written whole or not at all: its values first (a temp file, then a rename), then its signature's
 line when the signature is new (`attn_doctor.tracing.describe`), then its own line, stored into a memory map of
@@ -48,6 +51,26 @@ def rank_dir(root: Path, rank: int) -> Path:
 
 def values_stem(root: Path, rank: int, pid: int, index: int) -> Path:
     return rank_dir(root, rank) / f"{pid}-call-{index:06d}"
+
+
+def model_facts_path(root: Path, rank: int, pid: int) -> Path:
+    return rank_dir(root, rank) / f"model-{pid}.json"
+
+
+def read_model_facts(root: Path) -> list[dict[str, Any]]:
+    """What each process of a capture recorded of the model (`model_facts_path`), by rank; none in a capture made
+    before attn-doctor recorded it, or where no model module ran. Bad input when a file is damaged."""
+    facts = []
+    for path in sorted(Path(root).glob("rank*/model-*.json")):
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadInput(f"{path} is unreadable ({type(exc).__name__}); the capture is damaged: capture again"
+                           ) from None
+        if not isinstance(document, dict) or not isinstance(document.get("weights", []), list):
+            raise BadInput(f"{path} is not what capture writes; the capture is damaged: capture again")
+        facts.append(document)
+    return sorted(facts, key=lambda d: d.get("rank", 0))
 
 
 def write_json(path: Path, document: dict) -> None:

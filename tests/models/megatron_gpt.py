@@ -6,8 +6,10 @@ with `attn-doctor capture --out DIR --values -- python tests/models/megatron_gpt
 The three runs compute the same model: every weight is drawn from a generator seeded by the parameter's place in
 the model (its name, the TE spec's fused layer norms named as the local spec names them), at its full size, and
 each TP rank takes its slice along Megatron's partition dimension (the fused QKV weight's rows are grouped per
-query group, so a TP rank's slice is its heads' q, k and v). Attention dropout is 0: a compared call must be one
-function.
+query group, so a TP rank's slice is its heads' q, k and v): what Megatron's `--use-cpu-initialization` does.
+`--init gpu` draws as Megatron does without it: each TP rank its own shards, from seed + 2718 + its TP rank, so
+TP=1 and TP=2 are different models. Attention dropout is 0 unless `--attention-dropout` says otherwise: a
+compared call must be one function. `--data-seed` picks the token ids.
 
 On the CPU (no TE, local spec only) two CUDA-only pieces of Megatron are stood in for: its global memory buffer
 (allocated on the CPU) and its CUDA RNG tracker's fork (dropout is 0, so nothing is drawn under it). Megatron's
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,11 +67,23 @@ def _full_value(name: str, shape: torch.Size) -> torch.Tensor:
     return torch.randn(shape, generator=generator) * 0.02
 
 
-def set_weights(model: torch.nn.Module, tp: int, tp_rank: int) -> None:
+SEED = 1234
+
+
+def set_weights(model: torch.nn.Module, tp: int, tp_rank: int, init: str = "cpu") -> None:
+    """`init="cpu"`: every weight at its full size, each TP rank taking its slice (Megatron's
+    use_cpu_initialization). `init="gpu"`: each TP rank draws its own shards of the split weights from one
+    generator seeded seed + 2718 + its TP rank, in the model's order, as Megatron's GPU initialisation does
+    (`_initialize_affine_weight_gpu` under the model-parallel RNG tracker); the weights every rank holds whole
+    are drawn as with "cpu"."""
+    per_rank = torch.Generator().manual_seed(SEED + 2718 + tp_rank)
     with torch.no_grad():
         for name, param in model.named_parameters():
             full_shape = list(param.shape)
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
+            if init == "gpu" and dim >= 0:
+                param.copy_((torch.randn(param.shape, generator=per_rank) * 0.02).to(param.dtype))
+                continue
             if dim >= 0:
                 full_shape[dim] *= tp
             value = _full_value(name, torch.Size(full_shape))
@@ -107,7 +122,12 @@ def main() -> None:
     parser.add_argument("--faulty-rank", type=int, default=None)
     parser.add_argument("--faulty-layer", type=int, default=None, help="1-based, as Megatron numbers layers")
     parser.add_argument("--losses", default=None, help="append each step's loss here, a line each")
+    parser.add_argument("--timings", default=None, help="append each step's seconds here, a line each")
     parser.add_argument("--qk-layer-scaling", action="store_true", help="apply_query_key_layer_scaling")
+    parser.add_argument("--init", choices=("cpu", "gpu"), default="cpu", help="how TP shards are drawn: "
+                        "cpu = sliced from one full draw (--use-cpu-initialization), gpu = each rank its own")
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
+    parser.add_argument("--data-seed", type=int, default=1)
     args = parser.parse_args()
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -141,7 +161,8 @@ def main() -> None:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         num_query_groups=args.query_groups, tensor_model_parallel_size=args.tp, use_cpu_initialization=cpu,
-        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=args.qk_layer_scaling, attention_dropout=0.0,
+        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=args.qk_layer_scaling,
+        attention_dropout=args.attention_dropout,
         hidden_dropout=0.0, params_dtype=dtype,
         bf16=args.dtype == "bf16", fp16=args.dtype == "fp16", masked_softmax_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
@@ -149,7 +170,7 @@ def main() -> None:
     spec = (specs.get_gpt_layer_with_transformer_engine_spec() if args.impl == "te"
             else specs.get_gpt_layer_local_spec())
     gpt = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq)
-    set_weights(gpt, args.tp, parallel_state.get_tensor_model_parallel_rank())
+    set_weights(gpt, args.tp, parallel_state.get_tensor_model_parallel_rank(), args.init)
     device = torch.device(args.device if cpu else "cuda")
     gpt = gpt.to(device)
     # Megatron-LM's --bf16/--fp16: the whole model in that dtype (its norms too), inputs cast, the loss in fp32
@@ -158,11 +179,12 @@ def main() -> None:
         attention = gpt.decoder.layers[args.faulty_layer - 1].self_attention.core_attention
         _drop_the_own_key(attention.scale_mask_softmax)
 
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(args.data_seed)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
     positions = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
     mask = torch.ones(args.batch, 1, args.seq, args.seq, dtype=torch.bool, device=device).tril().logical_not()
     for _ in range(args.steps):
+        started = time.perf_counter()
         loss = model(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).float().mean()
         model.zero_grad()
         loss.backward()
@@ -170,6 +192,9 @@ def main() -> None:
             for param in model.parameters():
                 if param.grad is not None:
                     param -= 0.1 * param.grad.to(param.dtype)
+        if args.timings and rank == 0:
+            with open(args.timings, "a") as timings:
+                timings.write(f"{time.perf_counter() - started!r}\n")
         if args.losses and rank == 0:
             with open(args.losses, "a") as losses:
                 losses.write(f"{loss.item()!r}\n")
