@@ -166,8 +166,9 @@ def _weight_cause(a: _RunFacts, b: _RunFacts) -> str:
         gpu = [run for run in (a, b) if run.settings.get("use_cpu_initialization") is False]
         tp = (a.parallel("tp"), b.parallel("tp"))
         if gpu or tp[0] != tp[1]:
-            which = (f" ({' and '.join(run.label for run in gpu)} initialised on the GPU)" if gpu else
-                     f" (TP={tp[0]} and TP={tp[1]})")
+            facts = ([f"TP={tp[0]} and TP={tp[1]}"] if tp[0] != tp[1] else []) + (
+                [f"use_cpu_initialization off in {' and '.join(run.label.split(' ')[0] for run in gpu)}"] if gpu else [])
+            which = f" ({'; '.join(facts)})"
             return (f" — Megatron without --use-cpu-initialization draws each TP shard from its own seed{which}; "
                     "rerun with --use-cpu-initialization, or load one checkpoint in both runs")
     seeds = [run.settings.get("seeds") or {} for run in (a, b)]

@@ -4,7 +4,8 @@
 # values, compared pairwise and replayed. Run from the project root on the GPU machine, after TE 2.20.2
 # (../shared/device/stage-te.sh) and megatron-core 0.19.2 (a wheel, pip install --no-index --no-deps) are installed.
 # Usage: bash reports/h200/megatron/evidence.sh PART OUTDIR   (PART: local | te | replay)
-#   local:  the local spec alone, TP=1, TP=2 and the faulty TP=2, compared; TP=1 replayed (needs no TE)
+#   local:  the local spec alone, TP=1, TP=2, the faulty TP=2 and TP=2 drawn per rank (--init gpu), compared;
+#           TP=1 replayed (needs no TE)
 #   te:     the TE spec at TP=1 and TP=2, the local spec at TP=1 and TP=2 (and at TP=2 with rank 1's layer 3
 #           attention dropping each query's own key); the five comparisons
 #   replay: every path on the captures `te` made (their calls with values); how large a direction their keys
@@ -32,6 +33,9 @@ local)
   capture local-tp2-faulty "${TP2[@]}" "${MODEL[@]}" --impl local --tp 2 --faulty-rank 1 --faulty-layer 3
   compare local-tp1 local-tp2
   compare local-tp1 local-tp2-faulty
+  # issue 42: TP=2 drawn per rank as Megatron's GPU initialisation draws it (no --use-cpu-initialization)
+  capture local-tp2-gpu-init "${TP2[@]}" "${MODEL[@]}" --impl local --tp 2 --init gpu
+  compare local-tp1 local-tp2-gpu-init
   step replay-local-tp1 $A replay "$CAPTURES/local-tp1" --out "$out/replay-local-tp1"
   ;;
 te)
