@@ -4,6 +4,8 @@ and a library compiled here that answers cudnnGetVersion() (version read from th
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -156,15 +158,31 @@ def test_env_lists_every_build_and_which_one_te_and_torch_load(machine, monkeypa
 
     builds, where = machine
     monkeypatch.setattr(cudnn_builds, "find_builds", lambda: builds)
-    fact = fingerprint._collect_cudnn_builds([str(where["system"] / "libcudnn.so.9.14.0")],
-                                            [str(where["pip"] / "libcudnn.so.9")])
-    assert "9.14.0 (" in fact.value and "system): TE loads it" in fact.value
-    assert "pip nvidia-cudnn-cu13 9.19.0.56): torch loads it" in fact.value and "9.10.2" in fact.value
+    seen, note = fingerprint._collect_cudnn_builds([str(where["system"] / "libcudnn.so.9.14.0")],
+                                                  [str(where["pip"] / "libcudnn.so.9")])
+    by_version = {build.version: build for build in seen}
+    assert note is None and set(by_version) == {"9.10.2", "9.14.0", "9.19.0"}
+    assert (by_version["9.14.0"].source, by_version["9.14.0"].loaded_by) == ("system", ("TE",))
+    assert by_version["9.19.0"].source == "pip nvidia-cudnn-cu13 9.19.0.56"
+    assert by_version["9.19.0"].loaded_by == ("torch",) and by_version["9.10.2"].loaded_by == ()
+    assert by_version["9.14.0"].path == str(where["system"])
+    env = dataclasses.replace(fingerprint.collect_env(read_te=False), cudnn_builds=seen, cudnn_builds_note=None)
+    document = json.loads(json.dumps(env.to_dict()))  # env --json: a list of objects, not a sentence
+    assert [b["version"] for b in document["cudnn_builds"]] == [b.version for b in seen]
+    assert document["cudnn_builds"][0].keys() >= {"version", "path", "source", "loaded_by"}
+    assert fingerprint.EnvReport.from_dict(document) == env
+    line = dict(env_rows(env))["cuDNN builds"]
+    assert "system): TE loads it" in line and "pip nvidia-cudnn-cu13 9.19.0.56): torch loads it" in line
+    stray = fingerprint._collect_cudnn_builds(["/opt/other/libcudnn.so.9"], [])[0][-1]
+    assert (stray.path, stray.source, stray.loaded_by) == ("/opt/other", "loaded, not found by the search", ("TE",))
     monkeypatch.setattr(cudnn_builds, "find_builds", lambda: [])
-    assert fingerprint._collect_cudnn_builds([], []).value is None
+    assert fingerprint._collect_cudnn_builds([], []) == ((), "no libcudnn found (system folders, "
+                                                             "CUDNN_HOME/CUDNN_PATH/CUDA_HOME/CUDA_PATH, pip)")
     env = fingerprint.collect_env(read_te=False)
     assert dict(env_rows(env))["cuDNN builds"].startswith("n/a (no libcudnn found")
     assert fingerprint.EnvReport.from_dict(env.to_dict()) == env
+    older = {**env.to_dict(), "cudnn_builds": {"value": "9.14.0 (/lib; system): TE loads it", "note": None}}
+    assert fingerprint.EnvReport.from_dict(older).cudnn_builds_note == "9.14.0 (/lib; system): TE loads it"
 
 
 # --- asking for a build: --cudnn, the TE paths' processes, bisect's knob ------------------------------------

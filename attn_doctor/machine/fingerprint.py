@@ -62,6 +62,34 @@ class Fact:
 
 
 @dataclass(frozen=True)
+class SeenCudnnBuild:
+    """One cuDNN build as `env` reports it: its version (and how that was read), its folder and main library,
+    where it was found ("system", "pip nvidia-cudnn-cu13 9.19.0.56", "CUDNN_HOME", or "loaded, not found by the
+    search" for a library a process mapped that no folder searched holds), and which processes load it ("TE",
+    "torch"), read back from their memory maps."""
+
+    version: str | None
+    path: str
+    library: str
+    source: str
+    version_from: str = ""
+    loaded_by: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        """"9.14.0 (/lib/x86_64-linux-gnu; system): TE loads it"."""
+        users = ""
+        if self.loaded_by:
+            users = f": {' and '.join(self.loaded_by)} load{'s' * (len(self.loaded_by) == 1)} it"
+        return f"{self.version or 'version unknown'} ({self.path}; {self.source}){users}"
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> SeenCudnnBuild:
+        return cls(_opt_str(d.get("version")), str(d.get("path", "")), str(d.get("library", "")),
+                   str(d.get("source", "")), str(d.get("version_from", "")),
+                   tuple(str(who) for who in d.get("loaded_by") or ()))
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     """One GPU as NVML sees it (NVML indices ignore CUDA_VISIBLE_DEVICES)."""
 
@@ -93,7 +121,8 @@ class EnvReport:
     # Collected since the fingerprint first had them; None in documents written before.
     cpu: Fact | None = None  # model and core count
     os: Fact | None = None  # the distribution's name and version
-    cudnn_builds: Fact | None = None  # every cuDNN build found, and which one TE and torch load
+    cudnn_builds: tuple[SeenCudnnBuild, ...] | None = None  # every cuDNN build found, and which TE and torch load
+    cudnn_builds_note: str | None = None  # why none is listed (none found, or the search failed)
     # The machine's hostname, the user and their home folder (IDENTITY_KEYS): never shown, recorded so that
     # a report pasted elsewhere can redact them (`attn_doctor.render.redact`); {} in older documents.
     identity: dict[str, str] = field(default_factory=dict)
@@ -101,17 +130,26 @@ class EnvReport:
     def to_dict(self) -> dict:
         """JSON-able view (a fact that was not collected, in a document older than it, stays out)."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if not (k in LATER_FACTS and v is None) and not (k == "identity" and not v)}
+                if not (k in LATER_FACTS and v is None) and not (k == "identity" and not v)
+                and not (k == "cudnn_builds_note" and v is None)}
 
     @classmethod
     def from_dict(cls, d: dict) -> EnvReport:
         """Inverse of :meth:`to_dict`; tolerant of missing keys from older files."""
         fact_names = [
             f.name for f in dataclasses.fields(cls)
-            if f.name not in ("gpus", "gpus_note", "flash_attn", "env_vars", "identity", *LATER_FACTS)
+            if f.name not in ("gpus", "gpus_note", "flash_attn", "env_vars", "identity", "cudnn_builds_note",
+                              *LATER_FACTS)
         ]
         facts = {name: Fact.from_dict(d.get(name)) for name in fact_names}
-        facts.update({name: Fact.from_dict(d[name]) for name in LATER_FACTS if d.get(name) is not None})
+        facts.update({name: Fact.from_dict(d[name]) for name in LATER_FACTS
+                      if d.get(name) is not None and name != "cudnn_builds"})
+        builds, builds_note = d.get("cudnn_builds"), _opt_str(d.get("cudnn_builds_note"))
+        if isinstance(builds, Mapping):  # written as one sentence (a Fact) before it was a list
+            builds, builds_note = [], _opt_str(builds.get("value")) or _opt_str(builds.get("note"))
+        if builds is not None:
+            facts["cudnn_builds"] = tuple(SeenCudnnBuild.from_dict(b) for b in builds if isinstance(b, Mapping))
+            facts["cudnn_builds_note"] = builds_note
         gpus = []
         for g in d.get("gpus") or ():
             try:
@@ -343,24 +381,26 @@ def _loaded_cudnn() -> list[str]:
     return loaded_libraries()
 
 
-def _collect_cudnn_builds(te_libraries: list[str], torch_libraries: list[str]) -> Fact:
-    """Every cuDNN build found (`attn_doctor.machine.cudnn_builds`), and which one TE and torch load: "9.14.0
-    (/lib/x86_64-linux-gnu; system): TE loads it; 9.19.0 (...; pip nvidia-cudnn-cu13 9.19.0.56): torch loads it"."""
+def _collect_cudnn_builds(te_libraries: list[str], torch_libraries: list[str]) -> tuple[tuple[SeenCudnnBuild, ...],
+                                                                                          str | None]:
+    """Every cuDNN build found (`attn_doctor.machine.cudnn_builds`), each with the processes (TE's, torch's) whose
+    first mapped libcudnn is in it; a library a process mapped from a folder the search does not cover is listed
+    too. The note says why the list is empty."""
     from attn_doctor.machine.cudnn_builds import build_of, find_builds
 
     builds = find_builds()
-    if not builds:
-        return Fact(None, "no libcudnn found (system folders, CUDNN_HOME/CUDNN_PATH/CUDA_HOME/CUDA_PATH, pip)")
     users: dict[str, list[str]] = {}
     for who, libraries in (("TE", te_libraries), ("torch", torch_libraries)):
         for library in libraries[:1]:
             build = build_of(library, builds)
             users.setdefault(build.directory if build else library, []).append(who)
-    parts = [b.label() + (f": {' and '.join(users[b.directory])} load{'s' * (len(users[b.directory]) == 1)} it"
-                          if b.directory in users else "") for b in builds]
-    parts += [f"{', '.join(who)} loaded {library}, not among them" for library, who in users.items()
-              if not any(b.directory == library for b in builds)]
-    return Fact("; ".join(parts))
+    seen = [SeenCudnnBuild(b.version, b.directory, b.library, ", ".join(b.origins) or "given", b.version_from,
+                           tuple(users.get(b.directory, ()))) for b in builds]
+    seen += [SeenCudnnBuild(None, str(Path(library).parent), library, "loaded, not found by the search", "",
+                            tuple(who)) for library, who in users.items()
+             if not any(b.directory == library for b in builds)]
+    note = None if seen else "no libcudnn found (system folders, CUDNN_HOME/CUDNN_PATH/CUDA_HOME/CUDA_PATH, pip)"
+    return tuple(seen), note
 
 
 def _cudnn_triplet(fact: Fact) -> str | None:
@@ -471,8 +511,8 @@ def collect_env(
     te, te_core, te_torch, te_cudnn = _safe(
         lambda: _collect_te(read_te, te_facts, timeout_s, te_facts_cmd, reported), lambda e: (Fact(None, e),) * 4
     )
-    cudnn_builds = _safe(lambda: _collect_cudnn_builds(reported.get("te_cudnn_libraries") or [], torch_libraries),
-                         lambda e: Fact(None, e))
+    cudnn_builds, cudnn_builds_note = _safe(
+        lambda: _collect_cudnn_builds(reported.get("te_cudnn_libraries") or [], torch_libraries), lambda e: ((), e))
     te_cudnn = _flag_cudnn_mismatch(te_cudnn, torch_cudnn)
     flash = _safe(_collect_flash_attn, lambda e: {k: Fact(None, e) for k in FLASH_ATTN_DISTS})
     env_vars = _safe(collect_env_vars, lambda e: {})
@@ -497,4 +537,5 @@ def collect_env(
         os=os_name,
         identity=identity,
         cudnn_builds=cudnn_builds,
+        cudnn_builds_note=cudnn_builds_note,
     )
