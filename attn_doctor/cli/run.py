@@ -43,6 +43,10 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
 
     case = build_case(case_flags)  # the input that needs no torch is checked before torch is imported
     check_device_name(device)
+    if nproc is None:
+        from attn_doctor.execution.pool import prestart_te
+
+        prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.results.files import check_writable

@@ -47,6 +47,9 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, 
     check_device_name(device)
     if resume is not None and out_dir is not None and resume != out_dir:
         raise BadInput("give either --resume DIR or --out DIR, not both")
+    from attn_doctor.execution.pool import prestart_te
+
+    prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.results.files import check_writable

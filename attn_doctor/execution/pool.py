@@ -7,7 +7,9 @@ worker. Nothing a kernel does can take the tool down.
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -19,6 +21,70 @@ from typing import Any, Callable
 from attn_doctor.core import processes
 
 STARTUP_TIMEOUT_S = 300.0
+
+# Worker processes started before anyone asked (`prestart`), by (family, device, environment): each is taken by the
+# first Worker of that key to start (`Worker._start`); one nobody takes is killed when attn-doctor exits.
+_prestarted: dict[tuple, tuple[subprocess.Popen, Any]] = {}
+_prestart_lock = threading.Lock()
+
+
+def _key(family: str, device: str, environment: dict[str, str]) -> tuple:
+    return family, device, tuple(sorted(environment.items()))
+
+
+def _launch(family: str, device: str, environment: dict[str, str], stderr: Any) -> subprocess.Popen:
+    return processes.start([sys.executable, "-m", "attn_doctor.execution.worker", family, device],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                           env=processes.child_env(environment))
+
+
+def prestart(family: str, device: str, environment: dict[str, str] | None = None) -> None:
+    """Start a worker process of `family` on `device` now, for the session's worker of that family to take when it
+    starts. Why: a TE worker's start is TE's import, 8 s of a cold default run's 20 s on an H100's host, and the
+    command's own start (torch's import, the plan, the case's float64 reference) comes before the session starts
+    any worker; started from the command line's first lines, the two overlap. What the worker then runs is
+    what any worker runs: it reports what its library loaded in its hello, read back as always."""
+    key = _key(family, device, environment or {})
+    with _prestart_lock:
+        if key in _prestarted:
+            return
+        if not _prestarted:
+            atexit.register(_discard_prestarted)
+        stderr = tempfile.TemporaryFile(mode="w+b")
+        _prestarted[key] = (_launch(family, device, environment or {}, stderr), stderr)
+
+
+def prestart_te(backends: tuple[str, ...] | list[str], cudnn: str | None, device_name: str) -> None:
+    """Start the TE worker a command is about to ask for (`prestart`), guessed from its flags alone, before torch
+    is imported: TE's paths selected (no --backend, or one naming te), no --cudnn (each build's paths start a
+    process of their own), a CUDA device (`auto` where an NVIDIA device node exists) and TE installed. A wrong
+    guess costs a process killed at exit, never a row."""
+    import importlib.util
+
+    wants_te = not backends or any(name == "te" or name.startswith("te.") for name in backends)
+    device = device_name if device_name.startswith("cuda") else (
+        "cuda" if device_name == "auto" and os.path.exists("/dev/nvidiactl") else None)
+    if wants_te and not cudnn and device is not None and importlib.util.find_spec("transformer_engine") is not None:
+        prestart("te", device)
+
+
+def _take_prestarted(family: str, device: str, environment: dict[str, str]) -> tuple[subprocess.Popen, Any] | None:
+    with _prestart_lock:
+        taken = _prestarted.pop(_key(family, device, environment), None)
+    if taken is not None and taken[0].poll() is not None:  # it died before it was needed: start afresh
+        processes.wait(taken[0])
+        taken[1].close()
+        return None
+    return taken
+
+
+def _discard_prestarted() -> None:
+    with _prestart_lock:
+        left = list(_prestarted.values())
+        _prestarted.clear()
+    for proc, stderr in left:
+        processes.kill_group(proc)
+        stderr.close()
 
 
 class Worker:
@@ -40,13 +106,14 @@ class Worker:
 
     def _start(self) -> str | None:
         """Start the process and wait for its hello; the reason on failure."""
-        self._stderr.seek(0)
-        self._stderr.truncate()
-        self._proc = processes.start(
-            [sys.executable, "-m", "attn_doctor.execution.worker", self.family, self.device],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-            env=processes.child_env(self.environment),
-        )
+        taken = _take_prestarted(self.family, self.device, self.environment)
+        if taken is not None:  # started early (`prestart`): its stderr comes with it
+            self._stderr.close()
+            self._proc, self._stderr = taken
+        else:
+            self._stderr.seek(0)
+            self._stderr.truncate()
+            self._proc = _launch(self.family, self.device, self.environment, self._stderr)
         self.starts += 1
         self._replies = queue.Queue()
         threading.Thread(target=self._read, args=(self._proc, self._replies), daemon=True).start()

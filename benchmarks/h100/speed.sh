@@ -14,3 +14,4 @@ for i in 1 2 3; do
     echo "$t run $i exit $rc wall $(python3 -c "print(round($e - $s, 2))")" | tee -a "$out/times.txt"
   done
 done
+PYTHONPATH=$root python3 -m attn_doctor env --json > "$out/env.json" 2> "$out/env.err"
