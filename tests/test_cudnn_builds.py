@@ -14,6 +14,8 @@ import pytest
 
 from attn_doctor.core.errors import BadInput
 from attn_doctor.machine.cudnn_builds import (
+    MAIN_PATTERN,
+    WANTED_BUILD,
     CudnnBuild,
     find_builds,
     loaded_libraries,
@@ -21,6 +23,7 @@ from attn_doctor.machine.cudnn_builds import (
     not_honoured,
     resolve,
     sonames,
+    torch_preloads_wanted_build,
 )
 
 SUBS = ("libcudnn_graph", "libcudnn_ops", "libcudnn_engines_precompiled")
@@ -123,6 +126,26 @@ def test_a_worker_gets_every_lever_for_the_build_asked(machine):
     assert {Path(p).name for p in preloaded[1:-1]} == {f"{sub}.so.9" for sub in SUBS} and preloaded[-1] == "/opt/libx.so"
     system = resolve("9.14.0", builds)
     assert Path(sonames(system)[0]).name == "libcudnn.so.9"  # the soname, not the fully versioned file
+    assert env[WANTED_BUILD] == pip.directory
+
+
+def test_torchs_preload_of_pips_cudnn_finds_the_wanted_build_and_nothing_else_changes(machine, monkeypatch):
+    """What torch._preload_cuda_lib globs for (`<site>/nvidia/cudnn/lib/libcudnn.so.*[0-9]`) gives the wanted
+    build's library inside `torch_preloads_wanted_build`, only where a build was asked for, and only then."""
+    import glob
+
+    builds, where = machine
+    pattern = str(where["pip"] / MAIN_PATTERN)
+    other = str(where["pip"] / "libcudnn_graph.so.*[0-9]")
+    monkeypatch.setenv(WANTED_BUILD, str(where["system"]))
+    with torch_preloads_wanted_build():
+        assert glob.glob(pattern) == sorted(str(p) for p in where["system"].glob("libcudnn.so.*") if p.name[-1].isdigit())
+        assert glob.glob(other) == [str(where["pip"] / "libcudnn_graph.so.9")]  # other libraries as they are
+        assert glob.glob(str(where["home"] / "nothing.so")) == []
+    assert glob.glob(pattern) == [str(where["pip"] / "libcudnn.so.9")]  # restored
+    monkeypatch.delenv(WANTED_BUILD)
+    with torch_preloads_wanted_build():
+        assert glob.glob(pattern) == [str(where["pip"] / "libcudnn.so.9")]
 
 
 MAPS = """7f0000000000-7f0000001000 r-xp 00000000 08:01 11 {main}
@@ -173,6 +196,9 @@ def test_env_lists_every_build_and_which_one_te_and_torch_load(machine, monkeypa
     assert fingerprint.EnvReport.from_dict(document) == env
     line = dict(env_rows(env))["cuDNN builds"]
     assert "system): TE loads it" in line and "pip nvidia-cudnn-cu13 9.19.0.56): torch loads it" in line
+    both = [str(where["pip"] / "libcudnn.so.9"), str(where["system"] / "libcudnn.so.9.14.0")]  # torch's mapped first
+    seen, _ = fingerprint._collect_cudnn_builds(both, both[:1], te_version="9.14.0", torch_version="9.19.0")
+    assert {b.version: b.loaded_by for b in seen} == {"9.10.2": (), "9.14.0": ("TE",), "9.19.0": ("torch",)}
     stray = fingerprint._collect_cudnn_builds(["/opt/other/libcudnn.so.9"], [])[0][-1]
     assert (stray.path, stray.source, stray.loaded_by) == ("/opt/other", "loaded, not found by the search", ("TE",))
     monkeypatch.setattr(cudnn_builds, "find_builds", lambda: [])

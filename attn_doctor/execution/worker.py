@@ -35,6 +35,10 @@ def main(argv: list[str]) -> int:
         out.write(json.dumps(message) + "\n")
         out.flush()
 
+    from attn_doctor.machine.cudnn_builds import torch_preloads_wanted_build
+
+    with torch_preloads_wanted_build():  # a cuDNN build asked for: torch preloads it, not pip's
+        import torch  # noqa: F401 - first here, under the context
     from attn_doctor.backends import prepare_process
 
     hello: dict = {"family": family, "pid": os.getpid(), **prepare_process(family)}

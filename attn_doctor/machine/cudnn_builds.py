@@ -17,6 +17,7 @@ the process then reports with what was asked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.metadata as md
@@ -24,7 +25,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,7 +283,40 @@ def loader_environment(build: CudnnBuild, environ: Mapping[str, str] | None = No
 
     return {"CUDNN_HOME": build.directory, "CUDNN_PATH": build.directory,
             "LD_LIBRARY_PATH": prepended("LD_LIBRARY_PATH", [build.directory], ":"),
-            "LD_PRELOAD": prepended("LD_PRELOAD", sonames(build), ":")}
+            "LD_PRELOAD": prepended("LD_PRELOAD", sonames(build), ":"), WANTED_BUILD: build.directory}
+
+
+WANTED_BUILD = "ATTN_DOCTOR_CUDNN_BUILD"  # the folder of the build a worker is to load (`loader_environment`)
+MAIN_PATTERN = "libcudnn.so.*[0-9]"  # what torch globs for when it preloads pip's cuDNN
+
+
+@contextlib.contextmanager
+def torch_preloads_wanted_build() -> Iterator[None]:
+    """Around a worker's `import torch`: where a build was asked for (`WANTED_BUILD`), torch's preload of pip's
+    CUDA libraries (`torch._preload_cuda_deps`, which opens the first `nvidia/cudnn/lib/libcudnn.so.*` on
+    sys.path by its full path) finds the wanted build's library instead.
+
+    Why: a full path is opened as its own file whatever LD_PRELOAD loaded under the same soname, so without this
+    every worker mapped pip's cuDNN beside the wanted one (H100, torch 2.11: `--cudnn 9.14.0` got 9.19.0 mapped
+    too, and its rows were SKIP, "two cuDNN builds are mapped in one process"). What loaded is still read back
+    from the process's memory map (`not_honoured`), never assumed from this."""
+    wanted = os.environ.get(WANTED_BUILD)
+    if not wanted:
+        yield
+        return
+    original = glob.glob
+
+    def glob_for_torch(pattern, *args, **kwargs):
+        found = original(pattern, *args, **kwargs)
+        if os.path.basename(str(pattern)) == MAIN_PATTERN and "cudnn" in str(pattern):
+            return sorted(original(os.path.join(wanted, MAIN_PATTERN))) if found else found
+        return found
+
+    glob.glob = glob_for_torch
+    try:
+        yield
+    finally:
+        glob.glob = original
 
 
 def not_honoured(wanted: CudnnBuild, reported_version: str | None, loaded: list[str]) -> str | None:

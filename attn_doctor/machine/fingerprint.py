@@ -381,18 +381,20 @@ def _loaded_cudnn() -> list[str]:
     return loaded_libraries()
 
 
-def _collect_cudnn_builds(te_libraries: list[str], torch_libraries: list[str]) -> tuple[tuple[SeenCudnnBuild, ...],
-                                                                                          str | None]:
-    """Every cuDNN build found (`attn_doctor.machine.cudnn_builds`), each with the processes (TE's, torch's) whose
-    first mapped libcudnn is in it; a library a process mapped from a folder the search does not cover is listed
-    too. The note says why the list is empty."""
+def _collect_cudnn_builds(te_libraries: list[str], torch_libraries: list[str], te_version: str | None = None,
+                          torch_version: str | None = None) -> tuple[tuple[SeenCudnnBuild, ...], str | None]:
+    """Every cuDNN build found (`attn_doctor.machine.cudnn_builds`), each with the processes (TE's, torch's) that
+    load it: of the libcudnn a process mapped, the one whose build has the version that process's library
+    reported (TE's process maps torch's copy too, and TE may load another), else the first. A library a process
+    mapped from a folder the search does not cover is listed too. The note says why the list is empty."""
     from attn_doctor.machine.cudnn_builds import build_of, find_builds
 
     builds = find_builds()
     users: dict[str, list[str]] = {}
-    for who, libraries in (("TE", te_libraries), ("torch", torch_libraries)):
-        for library in libraries[:1]:
-            build = build_of(library, builds)
+    for who, libraries, version in (("TE", te_libraries, te_version), ("torch", torch_libraries, torch_version)):
+        mapped = [(library, build_of(library, builds)) for library in libraries]
+        chosen = next((pair for pair in mapped if version and pair[1] and pair[1].version == version), None)
+        for library, build in ([chosen] if chosen else mapped[:1]):
             users.setdefault(build.directory if build else library, []).append(who)
     seen = [SeenCudnnBuild(b.version, b.directory, b.library, ", ".join(b.origins) or "given", b.version_from,
                            tuple(users.get(b.directory, ()))) for b in builds]
@@ -512,7 +514,8 @@ def collect_env(
         lambda: _collect_te(read_te, te_facts, timeout_s, te_facts_cmd, reported), lambda e: (Fact(None, e),) * 4
     )
     cudnn_builds, cudnn_builds_note = _safe(
-        lambda: _collect_cudnn_builds(reported.get("te_cudnn_libraries") or [], torch_libraries), lambda e: ((), e))
+        lambda: _collect_cudnn_builds(reported.get("te_cudnn_libraries") or [], torch_libraries,
+                                      _cudnn_triplet(te_cudnn), _cudnn_triplet(torch_cudnn)), lambda e: ((), e))
     te_cudnn = _flag_cudnn_mismatch(te_cudnn, torch_cudnn)
     flash = _safe(_collect_flash_attn, lambda e: {k: Fact(None, e) for k in FLASH_ATTN_DISTS})
     env_vars = _safe(collect_env_vars, lambda e: {})
