@@ -295,3 +295,33 @@ def test_bisect_takes_the_cudnn_build_as_a_knob(here):
     record = BisectRecord(None, everywhere.start, everywhere.minimal, everywhere.necessary, everywhere.steps, {}, "",
                           None, [], None)
     assert record.cudnn_sentence() == "reproduced with cuDNN 9.10.2, 9.14.0 and 9.19.0"
+
+
+def test_only_a_worker_started_as_the_machine_is_speaks_for_it():
+    """A worker asked to load a cuDNN build reports that build's TE facts: they are the row's, not the machine's
+    (a bisect with --cudnn 9.14.0 titled its issue with the 9.19.0 build its cudnn knob tried last)."""
+    from attn_doctor.execution.pool import Worker
+    from attn_doctor.execution.session import Session
+
+    on_build = Worker("te", "cuda", 1.0, {WANTED_BUILD: "/usr/lib"})
+    on_build.hello = {"family": "te", "pid": 1, "te_facts": {"te_cudnn": "9.19.0"}}
+    session = Session("cuda")
+    session.workers = {"te with cuDNN from /usr/lib": [on_build]}
+    assert session.facts == {}
+    plain = Worker("te", "cuda", 1.0, {})
+    plain.hello = {"family": "te", "pid": 2, "te_facts": {"te_cudnn": "9.14.0"}}
+    session.workers["te"] = [plain]
+    assert session.facts == {"te_facts": {"te_cudnn": "9.14.0"}}
+
+
+def test_a_probe_on_a_build_is_the_same_probe_once_read_back(machine, small_case):
+    """A bisect's minimal case on a cuDNN build (its spec made here, tuples) is found among its rows (read back
+    from JSON, lists): without that, an issue lost its bisect (the H100's --cudnn 9.14.0 bisects)."""
+    from attn_doctor.backends import builtin_specs, on_build
+    from attn_doctor.core.coords import Coords, coords_at, knob_dict
+
+    builds, _ = machine
+    spec = on_build(next(s for s in builtin_specs() if s.name == "te.fused"), builds[1])
+    here = coords_at(small_case, "contiguous", 1, 0, spec)
+    read_back = Coords.from_dict(json.loads(json.dumps(here.to_dict())))
+    assert knob_dict(here) == knob_dict(read_back)

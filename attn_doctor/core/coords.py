@@ -265,7 +265,8 @@ def knob_dict(coords: Coords) -> dict:
     with the cuDNN build asked for where one was (`--cudnn`, or bisect's cudnn knob)."""
     cudnn = coords.backend.options.get("cudnn")
     return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers,
-            **({"cudnn": cudnn} if cudnn else {})}
+            # as JSON holds it: a build made here has tuples where the same build read back has lists
+            **({"cudnn": json.loads(json.dumps(cudnn))} if cudnn else {})}
 
 
 class BadGrid(BadInput, ValueError):

@@ -143,12 +143,16 @@ class Session:
 
     @property
     def facts(self) -> dict:
-        """What the workers' libraries reported when they started (e.g. {"te_facts": ...}); a worker started
-        as it is (no cuDNN build asked for) speaks for the machine."""
+        """What the workers' libraries reported when they started (e.g. {"te_facts": ...}): only workers started as
+        the machine is, never one asked to load a cuDNN build (its TE reports that build, not what the machine
+        loads; each row says what it ran on). None such: {} (the fingerprint probes TE in a process of its own)."""
+        from attn_doctor.machine.cudnn_builds import WANTED_BUILD
+
         found: dict = {}
-        for family in sorted(self.workers.values(), key=lambda pool: not any(w.environment for w in pool)):
+        for family in self.workers.values():
             for worker in family:
-                found.update({k: v for k, v in (worker.hello or {}).items() if k not in ("family", "pid")})
+                if WANTED_BUILD not in worker.environment:
+                    found.update({k: v for k, v in (worker.hello or {}).items() if k not in ("family", "pid")})
         return found
 
     @property

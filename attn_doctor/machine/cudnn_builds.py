@@ -63,7 +63,7 @@ class CudnnBuild:
         return f"{self.version or 'version unknown'} ({self.directory}; {', '.join(self.origins) or 'given'})"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "origins": list(self.origins)}  # as JSON reads it back
 
     @classmethod
     def from_dict(cls, d: Mapping) -> CudnnBuild:
