@@ -139,7 +139,8 @@ def test_torchs_preload_of_pips_cudnn_finds_the_wanted_build_and_nothing_else_ch
     other = str(where["pip"] / "libcudnn_graph.so.*[0-9]")
     monkeypatch.setenv(WANTED_BUILD, str(where["system"]))
     with torch_preloads_wanted_build():
-        assert glob.glob(pattern) == sorted(str(p) for p in where["system"].glob("libcudnn.so.*") if p.name[-1].isdigit())
+        wanted = sorted(str(p) for p in where["system"].glob("libcudnn.so.*") if p.name[-1].isdigit())
+        assert glob.glob(pattern) == wanted
         assert glob.glob(other) == [str(where["pip"] / "libcudnn_graph.so.9")]  # other libraries as they are
         assert glob.glob(str(where["home"] / "nothing.so")) == []
     assert glob.glob(pattern) == [str(where["pip"] / "libcudnn.so.9")]  # restored

@@ -77,7 +77,8 @@ def test_a_shard_taken_from_the_wrong_place_is_told_apart():
 def test_a_split_parameter_missing_a_ranks_part_is_incomplete_and_a_replica_is_left_out():
     full, dim, stride = FULL["proj"]
     shard = _shard(full, dim, 2, 0)
-    record = {"parallel": {"tp": 2, "tp_rank": 0}, "weights": [p.to_dict() for p in shard_prints([("proj", shard)], 2, 0)]}
+    record = {"parallel": {"tp": 2, "tp_rank": 0},
+              "weights": [p.to_dict() for p in shard_prints([("proj", shard)], 2, 0)]}
     replica = {**record, "parallel": {"tp": 2, "tp_rank": 1, "dp_rank": 1}}
     prints = joined([record, replica])
     assert prints.incomplete == ["proj"] and not prints.prints
@@ -93,7 +94,8 @@ def test_parameters_without_megatrons_attributes_are_whole():
 def test_names_match_across_wrappers_pipeline_stages_and_the_te_and_local_specs():
     assert canonical_name("module.module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == \
         "decoder.layers.0.input_layernorm.weight"
-    assert canonical_name("decoder.layers.3.mlp.linear_fc1.layer_norm_bias") == "decoder.layers.3.pre_mlp_layernorm.bias"
+    assert canonical_name("decoder.layers.3.mlp.linear_fc1.layer_norm_bias") == \
+        "decoder.layers.3.pre_mlp_layernorm.bias"
     assert canonical_name("decoder.layers.1.self_attention.linear_qkv.weight", {"decoder.layers.1": 5}) == \
         "decoder.layers.5.self_attention.linear_qkv.weight"
 

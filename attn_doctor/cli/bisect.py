@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
-from attn_doctor.cli.options import INDEX, REPEATS, SIZE, backend_options, build_case, case_options
+from attn_doctor.cli.options import (INDEX, REPEATS, SIZE, backend_options, build_case, case_options, given,
+                                     refuse_ignored)
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
 from attn_doctor.core.probe_kinds import rules_for
@@ -40,11 +41,13 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, timeout,
     from attn_doctor.machine.devices import check_device_name
 
     check_device_name(device)
+    if from_results is None and given("row_index"):
+        refuse_ignored("--row", "with --from (which failing row of those results)", "add --from RESULTS, or drop --row")
     if from_results is not None:
-        given = [name.replace("_", "-") for name, value in case_flags.items() if value is not None]
-        if given or backends or kernels or cudnn or layouts or tp != 1 or layers:
+        case_given = [name.replace("_", "-") for name, value in case_flags.items() if value is not None]
+        if case_given or backends or kernels or cudnn or layouts or tp != 1 or layers:
             raise BadInput("--from starts from a row of the results, with its case, backend and layout; drop "
-                           f"{', '.join('--' + g for g in given) or 'the case and backend options'}")
+                           f"{', '.join('--' + g for g in case_given) or 'the case and backend options'}")
     from attn_doctor.bisect import knobs
 
     case = build_case(case_flags) if from_results is None else None

@@ -14,7 +14,7 @@ import click
 
 import attn_doctor
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
-from attn_doctor.cli.options import int_list
+from attn_doctor.cli.options import given, int_list, refuse_ignored
 from attn_doctor.core.errors import BadInput
 
 BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
@@ -66,6 +66,11 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
                                                                   ("ranks", ranks))}}
     if not values and any(selection[name] is not None for name in ("layers", "steps", "ranks")):
         raise BadInput("--layers, --steps and --ranks choose whose values are recorded: add --values")
+    if not values and given("max_bytes"):
+        refuse_ignored("--max-bytes", "with --values (it bounds the values recorded)",
+                       "add --values, or drop --max-bytes")
+    if selection["max_bytes"] <= 0:
+        raise BadInput(f"--max-bytes {max_bytes}: the values' budget must be above 0 (e.g. 256MB)")
     from attn_doctor.tracing.store import HEADER, read_capture, read_notes
 
     if (out / HEADER).exists():

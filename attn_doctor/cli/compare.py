@@ -24,9 +24,10 @@ def compare(app: Application, capture_a: Path, capture_b: Path, json_path: Path 
     """Compare two captures of one model and seed layer by layer (TP=1 against TP=2, say). First whether the runs
     are the same model (weights' fingerprints), data and settings (dropout, softmax scale): while they are not, no
     kernel is named. Then out, dQ, dK, dV of every layer both recorded with --values, TP shards and CP chunks put
-    back together, and the q, k, v each run's attention got. Says "same within rounding" or the first layer where one run's attention is far from
-    float64, and on which rank; then in words whether the runs got the same q, k, v, whether each run's
-    attention is right on its own inputs, and whether their difference is what their inputs' explains."""
+    back together, and the q, k, v each run's attention got. Says "same within rounding" or the first layer
+    where one run's attention is far from float64, and on which rank; then in words whether the runs got the
+    same q, k, v, whether each run's attention is right on its own inputs, and whether their difference is what
+    their inputs' explains."""
     from attn_doctor.render.compare_view import comparison_document, comparison_table
     from attn_doctor.results.files import write_atomic
     from attn_doctor.tracing.compare import compare_captures

@@ -274,6 +274,20 @@ def repeats_option(fn: Callable) -> Callable:
              "spread, and the verdict on the worst repeat (not with --tp, --layers or --nproc).")(fn)
 
 
+def given(name: str) -> bool:
+    """Whether the user gave the option whose parameter is `name` (on the command line or in the environment),
+    not its default: an option whose default is shown may still be one that would be ignored."""
+    from click.core import ParameterSource
+
+    source = click.get_current_context().get_parameter_source(name)
+    return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def refuse_ignored(option: str, applies: str, fix: str) -> None:
+    """An option that would be ignored is bad input (the README's promise): `option` only applies `applies`."""
+    raise BadInput(f"{option} only applies {applies}: {fix}")
+
+
 def build_case(options: dict[str, Any]) -> Case:
     """The case from --recipe overridden by explicit flags; validated."""
     from attn_doctor.core.recipes import load_recipe

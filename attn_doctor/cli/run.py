@@ -12,6 +12,8 @@ from attn_doctor.cli.options import (
     build_case,
     SIZE,
     case_options,
+    given,
+    refuse_ignored,
     repeats_option,
 )
 from attn_doctor.core.coords import CP_COMM_TYPES
@@ -43,6 +45,8 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
 
     case = build_case(case_flags)  # the input that needs no torch is checked before torch is imported
     check_device_name(device)
+    if given("cp_comm_type") and cp_degree == 1:
+        refuse_ignored("--cp-comm-type", "with context parallelism", "add --cp N --nproc N, or drop --cp-comm-type")
     if nproc is None:
         from attn_doctor.execution.pool import prestart_te
 

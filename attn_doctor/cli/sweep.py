@@ -13,6 +13,7 @@ from attn_doctor.cli.options import (
     backend_options,
     build_cases,
     grid_options,
+    refuse_ignored,
     repeats_option,
 )
 from attn_doctor.core.errors import BadInput
@@ -32,7 +33,7 @@ from attn_doctor.core.layouts import canonical_layouts
                    "one task of a SLURM array or CI matrix; `attn-doctor report DIR1 DIR2 ...` merges them.")
 @click.option("--workers", type=WORKERS, default=None,
               help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
-                   "1 on the CPU; depth sweeps always 1]")
+                   "1 on the CPU; not with --layers: a depth sweep runs one worker at a time]")
 @repeats_option
 @click.pass_obj
 def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, resume, out_dir, shard, workers,
@@ -45,6 +46,9 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, 
     if not cases:
         raise BadInput("the grid has no valid case: " + (dropped[0] if dropped else "it is empty"))
     check_device_name(device)
+    if depths and workers is not None:
+        refuse_ignored("--workers", "to sweeps of single calls or TP shards (a depth sweep runs one worker at a time: "
+                       "its stacks are tens of GiB)", "drop --workers")
     if resume is not None and out_dir is not None and resume != out_dir:
         raise BadInput("give either --resume DIR or --out DIR, not both")
     from attn_doctor.execution.pool import prestart_te

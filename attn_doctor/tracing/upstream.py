@@ -128,8 +128,9 @@ def _weights(a: _RunFacts, b: _RunFacts) -> Finding:
     if not prints_a.prints and not prints_b.prints:
         return Finding("weights", None, f"weights: the models have no parameters to compare{notes}")
     if not compared:
-        return Finding("weights", True, f"the runs' weights share no parameter name of one shape ({len(prints_a.prints)}"
-                                        f" and {len(prints_b.prints)} tensors): not the same model{notes}")
+        return Finding("weights", True, (f"the runs' weights share no parameter name of one shape "
+                                         f"({len(prints_a.prints)} and {len(prints_b.prints)} tensors): not the "
+                                         f"same model{notes}"))
     if different:
         name, distance = different[0]
         return Finding("weights", True, (
@@ -166,15 +167,17 @@ def _weight_cause(a: _RunFacts, b: _RunFacts) -> str:
         gpu = [run for run in (a, b) if run.settings.get("use_cpu_initialization") is False]
         tp = (a.parallel("tp"), b.parallel("tp"))
         if gpu or tp[0] != tp[1]:
+            labels = " and ".join(run.label.split(" ")[0] for run in gpu)  # "A (/path)" -> "A"
             facts = ([f"TP={tp[0]} and TP={tp[1]}"] if tp[0] != tp[1] else []) + (
-                [f"use_cpu_initialization off in {' and '.join(run.label.split(' ')[0] for run in gpu)}"] if gpu else [])
+                [f"use_cpu_initialization off in {labels}"] if gpu else [])
             which = f" ({'; '.join(facts)})"
             return (f" — Megatron without --use-cpu-initialization draws each TP shard from its own seed{which}; "
                     "rerun with --use-cpu-initialization, or load one checkpoint in both runs")
     seeds = [run.settings.get("seeds") or {} for run in (a, b)]
     for key in ("megatron", "torch"):
         if seeds[0].get(key) is not None and seeds[1].get(key) is not None and seeds[0][key] != seeds[1][key]:
-            return f" — the runs were seeded differently ({seeds[0][key]} and {seeds[1][key]}); load one checkpoint in both runs"
+            return (f" — the runs were seeded differently ({seeds[0][key]} and {seeds[1][key]}); load one checkpoint "
+                    "in both runs")
     return " — load one checkpoint in both runs (or initialise both from one seed, on the CPU)"
 
 
