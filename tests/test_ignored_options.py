@@ -1,5 +1,6 @@
-"""An option that would be ignored is bad input (issue 44): exit 2, one line on stderr naming the option and
-what to do, nothing run. The same options where they do apply are accepted."""
+"""Two of issue 44's classes. An option that would be ignored is bad input: exit 2, one line on stderr naming the
+option and what to do, nothing run (the same options where they do apply are accepted). A command `capture`
+cannot start (empty, not found, a folder, not executable, a RANK that is not a number): exit 2, one line."""
 
 from __future__ import annotations
 
@@ -35,3 +36,27 @@ def test_the_same_options_where_they_apply_are_accepted(run_cli, tmp_path):
     result = run_cli(["capture", "--out", tmp_path / "cap", "--values", "--max-bytes", "1MB", "--", sys.executable,
                       "-c", attention])
     assert result.exit_code == 0, result.output
+
+
+COMMANDS = [  # (the command after --, words the line must say); "{tmp}" is the test's folder
+    ([""], "no command to run"),
+    (["no-such-program-anywhere"], "is not a program on PATH"),
+    (["{tmp}"], "is a folder"),
+    (["{tmp}/script.py"], "is not executable"),
+]
+
+
+@pytest.mark.parametrize("command, words", COMMANDS, ids=["empty", "not found", "a folder", "not executable"])
+def test_a_command_capture_cannot_start_is_one_line(run_cli, tmp_path, command, words):
+    """Issue 44's class "capture's command": exit 2, one line, no capture folder made."""
+    (tmp_path / "script.py").write_text("print('hi')\n")
+    result = run_cli(["capture", "--out", tmp_path / "cap", "--", *[c.format(tmp=tmp_path) for c in command]])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr
+    assert not (tmp_path / "cap").exists()
+
+
+def test_a_rank_that_is_not_a_number_is_one_line(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "first")
+    result = run_cli(["capture", "--out", tmp_path / "cap", "--", sys.executable, "-c", "pass"])
+    assert result.exit_code == 2 and "RANK='first'" in result.stderr and not (tmp_path / "cap").exists()

@@ -29,6 +29,25 @@ def byte_size(text: str) -> int:
         raise BadInput(f"--max-bytes takes a size such as 256MB, 2GB or 1048576, got {text!r}") from None
 
 
+def _check_command(command: tuple[str, ...]) -> None:
+    """The command is one this machine can start, and the environment's RANK (torchrun's) a number: else bad
+    input, one line, before anything is created or run."""
+    if not command or not command[0]:
+        raise BadInput("no command to run: attn-doctor capture --out DIR -- python train.py ...")
+    program = command[0]
+    if shutil.which(program) is None:
+        path = Path(program)
+        if not path.exists():
+            raise BadInput(f"{program!r} is not a program on PATH; give the command as you would run it")
+        if path.is_dir():
+            raise BadInput(f"{program!r} is a folder, not a program; give the command as you would run it")
+        if not os.access(path, os.X_OK):
+            raise BadInput(f"{program!r} is not executable; run it with its interpreter (python3 {program} ...)")
+    rank = os.environ.get("RANK")
+    if rank is not None and not rank.strip().isdigit():
+        raise BadInput(f"RANK={rank!r} in the environment is not a rank number; unset it or set it as torchrun does")
+
+
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="The capture folder (created; calls of every rank go under it).")
@@ -57,10 +76,7 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
     specs = [parse_module_spec(text) for text in modules]
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
-        raise BadInput("no command to run: attn-doctor capture --out DIR -- python train.py ...")
-    if shutil.which(command[0]) is None and not Path(command[0]).exists():
-        raise BadInput(f"{command[0]!r} is not a program on PATH; give the command as you would run it")
+    _check_command(command)
     selection = {"values": values, "max_bytes": byte_size(max_bytes),
                  **{name: int_list(text, name) for name, text in (("layers", layers), ("steps", steps),
                                                                   ("ranks", ranks))}}
@@ -87,7 +103,11 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["ATTN_DOCTOR_CAPTURE"] = json.dumps({"out": str(out.resolve()), **selection,
                                             "modules": [spec.to_text() for spec in specs]})
-    child = subprocess.Popen(list(command), env=env)
+    try:
+        child = subprocess.Popen(list(command), env=env)
+    except OSError as exc:  # what the checks above cannot foresee (a bad interpreter line, a vanished file)
+        raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}; give the command as you would run it") \
+            from None
     try:
         code = child.wait()
     except KeyboardInterrupt:
