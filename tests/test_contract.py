@@ -279,10 +279,10 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _interrupt(tmp_path: Path, args: list[str], busy, settle: float = 1.0
+def _interrupt(tmp_path: Path, args: list[str], busy, settle: float = 1.0, signum: int = signal.SIGINT
                ) -> tuple[subprocess.CompletedProcess, float, list[int]]:
-    """Start `attn-doctor ARGS`, wait until `busy(child pids)` and `settle` seconds more, send SIGINT; (result,
-    seconds to exit, the children it had)."""
+    """Start `attn-doctor ARGS`, wait until `busy(child pids)` and `settle` seconds more, send `signum` (SIGINT:
+    Ctrl-C); (result, seconds to exit, the children it had)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80", "NO_COLOR": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "attn_doctor", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -297,7 +297,7 @@ def _interrupt(tmp_path: Path, args: list[str], busy, settle: float = 1.0
         assert proc.poll() is None, proc.communicate()
         time.sleep(settle)
         started = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=30)  # both pipes closed: nothing left holding them
         elapsed = time.monotonic() - started
     finally:
@@ -328,18 +328,23 @@ def _gone(pids: list[int]) -> bool:
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_run_answers_at_once_and_keeps_the_finished_probes(tmp_path):
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, "interrupted"),
+                                                (signal.SIGTERM, 143, "terminated (SIGTERM)")], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_during_run_answers_at_once_and_keeps_the_finished_probes(tmp_path, signum, code, said):
     # Both workers up, and seconds for the baseline's tiny probe to finish while the kernel hangs.
     result, elapsed, children = _interrupt(
         tmp_path, ["run", *TINY, "--layout", "contiguous", "--kernel", f"{BROKEN}:hangs", "--json", "r.json"],
-        lambda pids: {b"kernel", b"local"} <= {_family(p) for p in pids}, settle=5.0)
-    assert result.returncode == 130, result.stderr
+        lambda pids: {b"kernel", b"local"} <= {_family(p) for p in pids}, settle=5.0, signum=signum)
+    assert result.returncode == code, result.stderr
     assert elapsed < 2.0
-    assert "Traceback" not in result.stderr and "interrupted" in result.stderr
+    assert "Traceback" not in result.stderr and f"attn-doctor: {said}" in result.stderr
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["interrupted"] is True and doc["summary"].startswith("Interrupted (Ctrl-C)")
+    assert doc["interrupted"] is True and doc["summary"].startswith("Interrupted (Ctrl-C or SIGTERM)")
     assert [r["backend"] for r in doc["results"]] == ["local"]  # the baseline finished; the hung kernel did not
-    assert _gone(_workers(children))
+    deadline = time.monotonic() + 2.0  # every process it started, torch's shared-memory manager too
+    while not _gone(children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(children), [_cmdline(pid) for pid in children if Path(f"/proc/{pid}").exists()]
 
 
 def test_ctrl_c_during_a_depth_sweep_answers_at_once(tmp_path):

@@ -2,8 +2,10 @@
 the command line's contract for every input:
 
 - 0 every tested path passes, 1 a path FAILs or ERRORs, 2 bad input or a request that cannot run here
-  (one line on stderr: what is wrong and how to fix it, never a traceback), 130 on Ctrl-C;
-- Ctrl-C kills every process attn-doctor started and answers at once; what finished is kept.
+  (one line on stderr: what is wrong and how to fix it, never a traceback), 130 on Ctrl-C, 143 on SIGTERM;
+- Ctrl-C kills every process attn-doctor started and answers at once; what finished is kept. SIGTERM (what
+  `timeout`, SLURM and docker send) is unwound the same way (`Terminated`): left to Python's default, it ended
+  attn-doctor outright, and its workers and torch's shared-memory manager ran on after it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from attn_doctor.execution.progress import ProgressSink
     from attn_doctor.results.report import RunReport
 
-EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 RESULTS_DIR = Path("attn-doctor-results")  # the default output folder, in the current directory
 
 
@@ -94,11 +96,38 @@ class Application:
         return code
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be, so that every path that keeps what finished on
+    Ctrl-C keeps it here too; the exit code is 143 (128 + SIGTERM, what a shell reports)."""
+
+
+_terminated: list[bool] = [False]  # whether this command received SIGTERM (the unwinding may wrap `Terminated`)
+
+
+def _terminate(signum, frame) -> None:
+    _terminated[0] = True
+    raise Terminated()
+
+
 class DoctorGroup(click.Group):
     """A group whose every bad input ends as one line on stderr and exit code 2, never a traceback."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
+        import signal
+        import threading
+
         app = Application(list(sys.argv[1:] if args is None else args))
+        previous = None
+        _terminated[0] = False
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            previous = signal.signal(signal.SIGTERM, _terminate)
+        try:
+            self._main(app, args, prog_name, complete_var, **extra)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _main(self, app: "Application", args, prog_name, complete_var, **extra) -> None:
         try:
             code = super().main(args, prog_name or "attn-doctor", complete_var, standalone_mode=False, obj=app,
                                 **extra)
@@ -124,10 +153,13 @@ def _interrupted(exc: BaseException) -> None:
     from attn_doctor.core import processes
 
     processes.kill_all()  # nothing attn-doctor started may outlive it
+    processes.kill_other_children()  # nor what a library started for it (torch's shared-memory manager)
     cause = exc.__context__ if isinstance(exc, click.Abort) else exc
     message = cause.message if isinstance(cause, Interrupted) and cause.message else ""
-    click.echo(f"attn-doctor: interrupted{'; ' + message if message else ''}", err=True)
-    sys.exit(EXIT_INTERRUPTED)
+    terminated = _terminated[0]
+    said = "terminated (SIGTERM)" if terminated else "interrupted"
+    click.echo(f"attn-doctor: {said}{'; ' + message if message else ''}", err=True)
+    sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 
 
 def _quiet_stdout() -> None:

@@ -145,6 +145,19 @@ def kill_all() -> None:
         _forget(proc)
 
 
+def kill_other_children() -> None:
+    """SIGKILL this process's children that `start` did not start: those a library started on attn-doctor's
+    behalf, e.g. torch's shared-memory manager (`torch_shm_manager`, which outlived an interrupted run for
+    seconds). Read from /proc; nothing where there is none."""
+    me = str(os.getpid())
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
 def read_tail(stream: IO[bytes], lines: int) -> str:
     """The last `lines` lines of a file opened for reading and writing (a child's captured stderr)."""
     stream.flush()

@@ -48,8 +48,8 @@ class RunReport:
         if not self.interrupted:
             return diagnosis.summarize(self.rows, self.requested)
         if self.untested is not None:
-            return "Interrupted (Ctrl-C) before any requested probe finished."
-        return (f"Interrupted (Ctrl-C) before every probe ran; of the {len(self.rows)} that finished: "
+            return "Interrupted (Ctrl-C or SIGTERM) before any requested probe finished."
+        return (f"Interrupted (Ctrl-C or SIGTERM) before every probe ran; of the {len(self.rows)} that finished: "
                 f"{diagnosis.summarize(self.rows, self.requested)}")
 
     @property
