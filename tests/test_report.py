@@ -550,6 +550,24 @@ def test_html_inlines_the_depth_plot(render, plot_dir):
     assert not [t for t, _ in parse_html(render(DATA, "html")).starts if t == "img"]  # no PNG, no image
 
 
+@pytest.mark.parametrize("named", ["../secret.png", "/{outside}/secret.png", "link.png"],
+                         ids=["dot-dot", "absolute", "symbolic link"])
+def test_html_embeds_no_file_outside_its_results_folder(render, doc, tmp_path, named):
+    """Issue 44: a document naming a plot outside its folder gets nothing embedded, and the page says so."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(tiny_png())
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (tmp_path / "secret.png").write_bytes(tiny_png())
+    (folder / "link.png").symlink_to(outside / "secret.png")
+    name = named.format(outside=str(outside).strip("/"))
+    (folder / "results.json").write_text(json.dumps({**doc, "artifacts": {**doc["artifacts"], "plot": name}}))
+    page = render(folder, "html")
+    assert not [t for t, _ in parse_html(page).starts if t == "img"]
+    assert "names a plot outside its folder" in page
+
+
 def test_html_shows_errors_in_units_of_epsilon(render):
     parser = parse_html(render(DATA, "html"))
     rows = html_table(parser, "backend", "ran")

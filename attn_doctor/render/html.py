@@ -148,6 +148,9 @@ def report_html(data: ReportData) -> str:
         if data.plot_path is not None:
             encoded = base64.b64encode(data.plot_path.read_bytes()).decode()
             parts.append(f'<img alt="dQ error against depth" src="data:image/png;base64,{encoded}">')
+        elif data.refused_plot is not None:
+            parts.append(f"<p>The results document names a plot outside its folder ({escape(data.refused_plot)}): "
+                         "not embedded.</p>")
     failing = data.failing
     if failing:
         commands = "".join(f"<pre>{escape(c)}</pre>" for c in data.repro_commands)

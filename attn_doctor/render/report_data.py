@@ -42,8 +42,17 @@ class ReportData:
 
     @property
     def plot_name(self) -> str | None:
+        """The plot the document names, when it is a file inside the results folder. A document names paths, and a
+        page made from it is pasted into public bug reports: a path that leads out of the folder (`../`, an
+        absolute path, a symbolic link) is never read (`refused_plot`)."""
         name = self.report.artifacts.get("plot")
-        return name if name and (self.directory / name).is_file() else None
+        return name if name and inside(self.directory, name) and (self.directory / name).is_file() else None
+
+    @property
+    def refused_plot(self) -> str | None:
+        """The plot path the document names when it leads out of its results folder (the report says so)."""
+        name = self.report.artifacts.get("plot")
+        return str(name) if name and not inside(self.directory, name) else None
 
     @property
     def failing(self) -> list[Row]:
@@ -154,6 +163,15 @@ def figure(name: str, t: TensorVerdict) -> Figure:
         else "the local baseline's error on them", scale="of its terms' scale" if t.cancelled else "relative",
         worst_head=t.worst_head_rel_err, baseline_worst_head=t.baseline_worst_head_rel_err, cosine=t.cosine,
         nan=t.nan, inf=t.inf, verdict=t.verdict)
+
+
+def inside(folder: Path, name: str) -> bool:
+    """Whether `name`, relative to `folder`, resolves (links followed) to a place inside `folder`."""
+    try:
+        root = Path(folder).resolve()
+        return (root / name).resolve().is_relative_to(root)
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -232,10 +232,11 @@ def _read_repro(directory: Path, recorded: str) -> str | None:
     """The repro script, beside the document (bisect writes both into its folder). Only a file named as bisect
     names its repros is read: a document from elsewhere must not pull any other file into a report."""
     name = Path(recorded).name
-    if not REPRO_NAME.fullmatch(name):
-        return None
+    path = Path(directory) / name
+    if not REPRO_NAME.fullmatch(name) or not path.resolve().is_relative_to(Path(directory).resolve()):
+        return None  # a symbolic link out of the folder is not read either
     try:
-        return (directory / name).read_text()
+        return path.read_text()
     except (OSError, UnicodeDecodeError):
         return None
 
