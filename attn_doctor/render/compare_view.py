@@ -11,7 +11,13 @@ from typing import Any
 
 from rich.table import Table
 
-from attn_doctor.tracing.compare import INPUTS, Comparison
+from attn_doctor.tracing.compare import INPUTS, Comparison, Measured
+
+
+def _far(comparison: Comparison, m: Measured) -> str | None:
+    """"A" or "B": the run named far from float64 on this tensor (`Comparison.far_run`), else None."""
+    run = comparison.far_run(m)
+    return None if run is None else "AB"[run]
 
 
 def comparison_table(comparison: Comparison, title: str) -> Table:
@@ -24,8 +30,9 @@ def comparison_table(comparison: Comparison, title: str) -> Table:
         if layer.inputs_apart:
             table.add_row(str(layer.step), str(layer.layer), "q,k,v", f"{layer.inputs_distance:.2g}", "", "", "", "")
         for m in layer.measured:
-            mark = ("" if not comparison.judges_kernels else f"{'AB'[m.faulty_run]} far" if m.faulty_run is not None
-                    else f"{'AB'[m.flash_run]} flash" if m.flash_run is not None else "")
+            far = _far(comparison, m)
+            mark = (f"{far} far" if far is not None else
+                    f"{'AB'[m.flash_run]} flash" if m.flash_run is not None and comparison.judges_kernels else "")
             table.add_row(str(layer.step), str(layer.layer), m.tensor, f"{m.d:.2g}", f"{m.e_in:.2g}", f"{m.e[0]:.2g}",
                           f"{m.e[1]:.2g}", mark)
     return table
@@ -41,6 +48,6 @@ def comparison_document(comparison: Comparison) -> dict[str, Any]:
          "tensors": [{"tensor": m.tensor, "d": m.d, "e_in": m.e_in, "e_a": m.e[0], "e_b": m.e[1],
                       "shards_a": m.shard_e[0], "shards_b": m.shard_e[1], "floor": m.floor,
                       "flash_a": m.flash_e[0], "flash_b": m.flash_e[1],
-                      "far": None if m.faulty_run is None or not comparison.judges_kernels else "AB"[m.faulty_run]}
+                      "far": _far(comparison, m)}
                      for m in layer.measured]}
         for layer in comparison.layers]}

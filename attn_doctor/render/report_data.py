@@ -16,6 +16,7 @@ from attn_doctor.machine.fingerprint import EnvReport, Fact
 from attn_doctor.machine.env_rows import fact_cell
 from attn_doctor.render.format import display_rows
 from attn_doctor.results.bisect_record import BisectRecord
+from attn_doctor.results.files import inside
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.diagnosis import Faulty, first_wrong
@@ -163,15 +164,6 @@ def figure(name: str, t: TensorVerdict) -> Figure:
         else "the local baseline's error on them", scale="of its terms' scale" if t.cancelled else "relative",
         worst_head=t.worst_head_rel_err, baseline_worst_head=t.baseline_worst_head_rel_err, cosine=t.cosine,
         nan=t.nan, inf=t.inf, verdict=t.verdict)
-
-
-def inside(folder: Path, name: str) -> bool:
-    """Whether `name`, relative to `folder`, resolves (links followed) to a place inside `folder`."""
-    try:
-        root = Path(folder).resolve()
-        return (root / name).resolve().is_relative_to(root)
-    except (OSError, ValueError, RuntimeError):
-        return False
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from attn_doctor.core.coords import BackendSpec, Coords, coords_at, knob_dict
 from attn_doctor.core.errors import BadInput
 from attn_doctor.machine.cudnn_builds import version_order
 from attn_doctor.machine.fingerprint import EnvReport
+from attn_doctor.results.files import inside
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import (
@@ -232,11 +233,10 @@ def _read_repro(directory: Path, recorded: str) -> str | None:
     """The repro script, beside the document (bisect writes both into its folder). Only a file named as bisect
     names its repros is read: a document from elsewhere must not pull any other file into a report."""
     name = Path(recorded).name
-    path = Path(directory) / name
-    if not REPRO_NAME.fullmatch(name) or not path.resolve().is_relative_to(Path(directory).resolve()):
-        return None  # a symbolic link out of the folder is not read either
+    if not REPRO_NAME.fullmatch(name) or not inside(directory, name):  # nor a symbolic link out of the folder
+        return None
     try:
-        return path.read_text()
+        return (directory / name).read_text()
     except (OSError, UnicodeDecodeError):
         return None
 

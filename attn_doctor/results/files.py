@@ -25,6 +25,16 @@ def current_umask() -> int:
     return mask
 
 
+def inside(folder: Path, name: str | Path) -> bool:
+    """Whether `name`, relative to `folder`, resolves (links followed) to a place inside `folder`: what a document
+    names is read only there (reports made from documents are pasted into public bug reports)."""
+    try:
+        root = Path(folder).resolve()
+        return (root / name).resolve().is_relative_to(root)
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same folder and a rename."""
     write_atomic_bytes(path, text.encode())

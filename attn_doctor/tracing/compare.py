@@ -137,12 +137,15 @@ class Comparison:
         and settings (`attn_doctor.tracing.upstream`): a kernel's error is judged against the other run's."""
         return not self.upstream.differs
 
+    def far_run(self, measured: Measured) -> int | None:
+        """The run (0 or 1) whose attention is named far from float64 on this tensor: none while the runs differ
+        upstream (`judges_kernels`)."""
+        return measured.faulty_run if self.judges_kernels else None
+
     def first_fault(self) -> tuple[LayerComparison, Measured] | None:
-        if not self.judges_kernels:
-            return None
         for layer in self.layers:
             for measured in layer.measured:
-                if measured.faulty_run is not None:
+                if self.far_run(measured) is not None:
                     return layer, measured
         return None
 

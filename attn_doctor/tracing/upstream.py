@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from attn_doctor.tracing.store import CapturedCall, read_model_facts
 from attn_doctor.tracing.weights import INDEPENDENT, SAME, JoinedPrints, joined
 
-EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 ROUNDING_ONLY = (("softmax_in_fp32", "softmax in fp32"), ("query_key_layer_scaling", "query-key layer scaling"))
 
 
@@ -95,7 +96,9 @@ def _call_dropout(calls: list[CapturedCall]) -> float:
 
 
 def _eps(*dtypes: str) -> float:
-    return max(EPS.get(d, 0.0) for d in dtypes)
+    """The coarsest machine epsilon of the recorded dtypes ("bfloat16", ...); 0 for a dtype that is not floating."""
+    kinds = [getattr(torch, d, None) for d in dtypes]
+    return max((torch.finfo(k).eps for k in kinds if isinstance(k, torch.dtype) and k.is_floating_point), default=0.0)
 
 
 def _distance_words(distance: float) -> str:

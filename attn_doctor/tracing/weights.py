@@ -40,6 +40,7 @@ about 50 µs per parameter shape).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -120,8 +121,7 @@ class ShardPrint:
     checksums: list[float]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "split_dim": self.split_dim,
-                "sum_squares": self.sum_squares, "checksums": self.checksums}
+        return dataclasses.asdict(self)
 
 
 def _signed(value: int) -> int:
