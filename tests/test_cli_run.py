@@ -343,7 +343,8 @@ BAD_REPORTS = [
     pytest.param(_truncated, "not valid JSON", id="truncated"),
     pytest.param('{"hello": "world"}', "not an attn-doctor results document", id="foreign-object"),
     pytest.param("[1, 2, 3]", "not an attn-doctor results document", id="foreign-list"),
-    pytest.param('{"format": "attn-doctor/results", "results": [{"backend": "x"}]}', "damaged", id="damaged"),
+    pytest.param('{"format": "attn-doctor/results", "results": [{"backend": "x"}]}', "field results[0].layout is missing",
+                 id="damaged"),
     pytest.param(b"\xff\xfe\x00garbage", "cannot read", id="not-utf8"),
 ]
 

@@ -647,12 +647,12 @@ def _bad_format(tmp_path, doc):
 
 def _bad_jsonl_list(tmp_path, doc):
     (tmp_path / "list.jsonl").write_bytes(b"[1, 2]\n")
-    return [tmp_path / "list.jsonl"], "list.jsonl:1 is not an attn-doctor sweep record"
+    return [tmp_path / "list.jsonl"], "list.jsonl:1: the document is [1, 2], not an object"
 
 
 def _bad_jsonl_utf8(tmp_path, doc):
     (tmp_path / "bytes.jsonl").write_bytes(b"\xff\xfe garbage\n")
-    return [tmp_path / "bytes.jsonl"], "bytes.jsonl:1 is not an attn-doctor sweep record"
+    return [tmp_path / "bytes.jsonl"], "bytes.jsonl:1 is not JSON"
 
 
 @pytest.mark.parametrize("case", [_bad_missing, _bad_truncated, _bad_foreign, _bad_empty_dir, _bad_format,

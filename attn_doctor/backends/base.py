@@ -93,6 +93,8 @@ class Backend(ABC):
     loads_cudnn: ClassVar[bool] = False  # `--cudnn` picks the cuDNN build its process loads (`process_environment`)
     # The paths a family always offers, (name, options) each; `paths` may work out others at run time.
     fixed_paths: ClassVar[tuple[tuple[str, dict[str, Any]], ...]] = ()
+    # The options a spec of this family cannot be rebuilt without (text each): a results row read back must have them.
+    required_options: ClassVar[tuple[str, ...]] = ()
 
     # -- in the parent ----------------------------------------------------------------------------------
 

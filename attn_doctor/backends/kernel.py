@@ -43,6 +43,7 @@ import torch
 from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
+from attn_doctor.core.paths import check_input
 from attn_doctor.numerics.masks import Semantics
 from attn_doctor.numerics.standalone import kernel_keywords, needs_mask
 
@@ -73,6 +74,7 @@ def parse_kernel_spec(text: str) -> BackendSpec:
 def _target_source(target: str) -> Path | None:
     if target.endswith(".py"):
         path = Path(target)
+        check_input(path, "--kernel", "file")
         if not path.is_file():
             raise BadInput(f"--kernel: no file {target}; give an existing .py file or an importable module")
         return path
@@ -202,6 +204,7 @@ def kernel(q, k, v, case):
 class UserKernel(Backend):
     family = "kernel"
     qkv_format = "bshd"
+    required_options = ("target", "func")
     cp_method = "queries at their global positions in a zero-padded sequence (the --kernel signature has no mask)"
 
     @classmethod

@@ -5,7 +5,9 @@ the command line's contract for every input:
   (one line on stderr: what is wrong and how to fix it, never a traceback), 130 on Ctrl-C, 143 on SIGTERM;
 - Ctrl-C kills every process attn-doctor started and answers at once; what finished is kept. SIGTERM (what
   `timeout`, SLURM and docker send) is unwound the same way (`Terminated`): left to Python's default, it ended
-  attn-doctor outright, and its workers and torch's shared-memory manager ran on after it.
+  attn-doctor outright, and its workers and torch's shared-memory manager ran on after it;
+- a terminal that cannot print Unicode gets what every command prints in ASCII (`render.charset`), not a
+  UnicodeEncodeError.
 """
 
 from __future__ import annotations
@@ -52,25 +54,24 @@ class Application:
 
     @cached_property
     def console(self) -> Console:
-        from rich.console import Console
+        from attn_doctor.render.charset import printable_console
 
-        return Console(highlight=False, markup=False, soft_wrap=False)
+        return printable_console(highlight=False, markup=False, soft_wrap=False)
 
     @cached_property
     def err_console(self) -> Console:
-        from rich.console import Console
+        from attn_doctor.render.charset import printable_console
 
-        return Console(stderr=True, highlight=False, markup=False)
+        return printable_console(stderr=True, highlight=False, markup=False)
 
     def progress(self) -> ProgressSink:
-        """Counts and an ETA on stderr while a terminal watches; nothing in a pipe, a log or a test."""
-        from attn_doctor.execution.progress import ProgressSink
+        """Counts and an ETA on stderr while a terminal watches; in a pipe, a log or a test, a line on stderr
+        every 30 s of long work (none on shorter work)."""
+        from attn_doctor.render import progress as progress_view
 
         if not self.err_console.is_terminal:
-            return ProgressSink()
-        from attn_doctor.render.progress import TerminalProgress
-
-        return TerminalProgress(self.err_console)
+            return progress_view.HeartbeatProgress(sys.stderr, progress_view.HEARTBEAT_INTERVAL_S)
+        return progress_view.TerminalProgress(self.err_console)
 
     def new_run_dir(self, kind: str) -> Path:
         import datetime
@@ -116,13 +117,16 @@ class DoctorGroup(click.Group):
         import signal
         import threading
 
+        from attn_doctor.render.charset import printable_standard_streams
+
         app = Application(list(sys.argv[1:] if args is None else args))
         previous = None
         _terminated[0] = False
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             previous = signal.signal(signal.SIGTERM, _terminate)
         try:
-            self._main(app, args, prog_name, complete_var, **extra)
+            with printable_standard_streams():  # a terminal that cannot print Unicode gets ASCII, not a traceback
+                self._main(app, args, prog_name, complete_var, **extra)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

@@ -4,13 +4,12 @@ and a standalone repro."""
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 
 import click
 
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
-from attn_doctor.cli.options import (INDEX, REPEATS, SIZE, backend_options, build_case, case_options, given,
-                                     refuse_ignored)
+from attn_doctor.cli.options import (INDEX, INPUT_ANY, OUTPUT_FILE, OUTPUT_FOLDER, REPEATS, SIZE, backend_options,
+                                     build_case, case_options, given, refuse_ignored)
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
 from attn_doctor.core.probe_kinds import rules_for
@@ -22,15 +21,15 @@ from attn_doctor.core.probe_kinds import rules_for
 @click.option("--tp", type=SIZE, default=1, show_default=True,
               help="Start from TP shards of this degree.")
 @click.option("--layers", type=INDEX, default=0, help="Start from an L-layer stack (0: one attention call).")
-@click.option("--from", "from_results", type=click.Path(path_type=Path),
+@click.option("--from", "from_results", type=INPUT_ANY,
               help="Start from a failing row of a results file or sweep directory instead of the flags.")
 @click.option("--row", "row_index", type=INDEX, default=0, show_default=True,
               help="With --from: which failing row (0 = the first).")
 @click.option("--repeats", type=REPEATS, default=1, show_default=True,
               help="Run each probe N times; any failing run counts (guards against nondeterministic kernels).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OUTPUT_FILE,
               help="Also write the bisect document ({start_case, minimal_case, necessary, probes, repro, ...}) here.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", "out_dir", type=OUTPUT_FOLDER,
               help="Where the repro script and the bisect document go (default: beside --from, else "
                    "attn-doctor-results/bisect-<stamp>); `attn-doctor report` takes the folder or the document.")
 @click.pass_obj
@@ -61,7 +60,8 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, timeout,
     from attn_doctor.bisect.engine import CannotBisect, NothingToBisect
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.render.terminal import bisect_tables
-    from attn_doctor.results.files import check_writable, write_or_keep
+    from attn_doctor.core.paths import check_output
+    from attn_doctor.results.files import write_or_keep
     from attn_doctor.results.report import dumps
 
     row = None
@@ -81,10 +81,10 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, timeout,
             raise BadInput("bisect starts from one layout: give --layout at most once")
         start = knobs.coords_at(case, canonical_layouts(layouts)[0] if layouts else "contiguous", tp, layers, specs[0])
         directory = None
-    directory = out_dir or directory or app.new_run_dir("bisect")
-    check_writable(directory, "--out", directory=True)
-    if json_path is not None:
-        check_writable(json_path, "--json")
+    if out_dir is None:  # beside --from's results, or a new folder: checked as --out is
+        directory = directory or app.new_run_dir("bisect")
+        check_output(directory, "--out", directory=True)
+    directory = out_dir or directory
     request = BisectRequest(start, resolve_device(device), directory, repeats, timeout, app.command_line())
     console = app.console
     try:

@@ -14,7 +14,7 @@ import click
 
 import attn_doctor
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
-from attn_doctor.cli.options import given, int_list, refuse_ignored
+from attn_doctor.cli.options import OUTPUT_FOLDER, given, int_list, refuse_ignored
 from attn_doctor.core.errors import BadInput
 
 BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
@@ -49,7 +49,7 @@ def _check_command(command: tuple[str, ...]) -> None:
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", "out", required=True, type=OUTPUT_FOLDER,
               help="The capture folder (created; calls of every rank go under it).")
 @click.option("--values", is_flag=True, help="Also record the tensors' values (forward and output gradient) of "
               "the selected calls, as safetensors.")
@@ -91,10 +91,7 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
 
     if (out / HEADER).exists():
         raise BadInput(f"--out {out} already holds a capture; give a new folder (a capture is one run's calls)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BadInput(f"cannot create --out {out}: {exc.strerror}") from None
+    out.mkdir(parents=True, exist_ok=True)  # checked writable as it was parsed
 
     bootstrap = Path(attn_doctor.__file__).parent / "tracing" / "bootstrap"
     package_root = Path(attn_doctor.__file__).parent.parent

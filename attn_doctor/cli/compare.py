@@ -12,12 +12,13 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application
+from attn_doctor.cli.options import INPUT_FOLDER, OUTPUT_FILE
 
 
 @click.command()
-@click.argument("capture_a", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("capture_b", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.argument("capture_a", type=INPUT_FOLDER)
+@click.argument("capture_b", type=INPUT_FOLDER)
+@click.option("--json", "json_path", type=OUTPUT_FILE,
               help="Write every layer's numbers here.")
 @click.pass_obj
 def compare(app: Application, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:

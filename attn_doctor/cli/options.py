@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -137,6 +138,49 @@ class Shard(click.ParamType):
 
 
 SHARD = Shard()
+
+
+def _option_name(param: click.Parameter | None) -> str:
+    """How the user named the parameter: its flag, or an argument's name in capitals (RESULTS)."""
+    if param is None:
+        return "the path"
+    return param.opts[0] if isinstance(param, click.Option) and param.opts else param.human_readable_name
+
+
+class OutputPath(click.ParamType):
+    """Where results go (a file, or with `directory` a folder), checked writable as it is parsed: before anything
+    runs (`attn_doctor.core.paths.check_output`)."""
+
+    name = "path"
+
+    def __init__(self, directory: bool = False):
+        self.directory = directory
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        from attn_doctor.core.paths import check_output
+
+        check_output(Path(value), _option_name(param), self.directory)
+        return Path(value)
+
+
+class InputPath(click.ParamType):
+    """A file or folder to read (`kind`: "file", "folder" or "any"), checked readable as it is parsed; one that is
+    missing is left to the command, which says what belongs there (`attn_doctor.core.paths.check_input`)."""
+
+    name = "path"
+
+    def __init__(self, kind: str = "any"):
+        self.kind = kind
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        from attn_doctor.core.paths import check_input
+
+        check_input(Path(value), _option_name(param), self.kind)
+        return Path(value)
+
+
+OUTPUT_FILE, OUTPUT_FOLDER = OutputPath(), OutputPath(directory=True)
+INPUT_FILE, INPUT_FOLDER, INPUT_ANY = InputPath("file"), InputPath("folder"), InputPath()
 
 
 def _stack(fn: Callable, options: list[Callable]) -> Callable:
@@ -318,6 +362,15 @@ def build_case(options: dict[str, Any]) -> Case:
 
         check_captured_shapes(case)
     return case
+
+
+def given_case_fields(options: dict[str, Any]) -> set[str]:
+    """The case fields the user chose, by a flag or in the recipe's [case] (the others are the defaults, which
+    `run` may size to the machine: `attn_doctor.core.cpu_sizing`)."""
+    from attn_doctor.core.recipes import load_recipe
+
+    chosen = set(load_recipe(options["recipe"]).case) if options.get("recipe") else set()
+    return chosen | {name for name, value in options.items() if value is not None and name != "recipe"}
 
 
 def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]], list[int] | None,

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application
-from attn_doctor.cli.options import INDEX, SEED, backend_options, repeats_option
+from attn_doctor.cli.options import INDEX, INPUT_FOLDER, OUTPUT_FOLDER, SEED, backend_options, repeats_option
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
 
@@ -20,14 +20,14 @@ def _span(values: list[int]) -> str:
 
 
 @click.command()
-@click.argument("capture_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("capture_dir", type=INPUT_FOLDER)
 @click.option("--call", "call_index", type=INDEX, help="Only the call of this index (of each rank's process).")
 @click.option("--layer", type=INDEX, help="Only the calls of this layer.")
 @click.option("--rank", type=INDEX, help="Only the calls of this rank.")
 @click.option("--seed", type=SEED, default=1234, show_default=True,
               help="Seed of the inputs of calls whose values were not captured.")
 @backend_options
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", "out_dir", type=OUTPUT_FOLDER,
               help="Where the results go (a sweep folder: `report` and `bisect --from` read it) "
                    "[attn-doctor-results/replay-<time>].")
 @repeats_option
@@ -50,12 +50,19 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     groups: dict[str, list] = {}
     for call in calls:
         groups.setdefault(call.signature(), []).append(call)
-    cases, refused = [], []
+    cases, refused, unreadable = [], [], []
     app.console.print(f"{len(calls)} calls, {len(groups)} distinct:")
     for number, members in enumerate(groups.values(), start=1):
-        chosen = next((c for c in members if c.values_path is not None), members[0])
-        chosen.check_values()  # a damaged file is the capture's fault: said now, not as ERROR rows later
-        case = case_of(chosen, capture_dir, seed)
+        # the first whose recorded values can be read; where none can, the call is not judged (never on seeded
+        # values, nor on those of a call that recorded none)
+        recorded = [c for c in members if c.meta.get("values")]
+        readable = next((c for c in recorded if c.values_problem() is None), None)
+        chosen = readable or (recorded or members)[0]
+        problem = chosen.values_problem() if readable is None else None
+        if problem is not None:
+            unreadable.append(f"rank {chosen.rank}, call {chosen.index} of process {chosen.meta['process']['pid']} "
+                              f"(layer {chosen.meta.get('layer')}): {problem}")
+        case = problem or case_of(chosen, capture_dir, seed)
         tp_ranks = [c.meta.get("parallel", {}).get("tp_rank") for c in members]
         where = (f"{len(members)} call{'s' * (len(members) > 1)}: {members[0].meta['api']}, ranks "
                  f"{_span([c.rank for c in members])}"
@@ -68,19 +75,23 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
         else:
             cases.append(case)
             app.console.print(f"  {number}. {where}: {case.short().rsplit(' call ', 1)[0]}, {values_source(chosen)}")
+    if not cases and unreadable:
+        raise BadInput(f"no call of {capture_dir} can be judged on its captured values: {unreadable[0]}; capture again")
     if not cases:
         raise BadInput(f"none of the {len(groups)} distinct calls can be replayed yet: {refused[0]}")
 
     from attn_doctor.backends import select
     from attn_doctor.cli.sweep import execute
     from attn_doctor.machine.devices import resolve_device
-    from attn_doctor.results.files import check_writable
+    from attn_doctor.core.paths import check_output
     from attn_doctor.workflows import sweep as sweeping
 
     specs = select(backends, kernels, cudnn)
-    directory = out_dir or app.new_run_dir("replay")
-    check_writable(directory, "--out", directory=True)
+    directory = out_dir
+    if directory is None:
+        directory = app.new_run_dir("replay")
+        check_output(directory, "--out", directory=True)
     request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
-                                    repeats=repeats)
+                                    repeats=repeats, not_judged=unreadable)
     return execute(app, request, "the finished calls are in {log}")

@@ -7,17 +7,18 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import EXIT_OK, RESULTS_DIR, Application
+from attn_doctor.cli.options import INPUT_ANY, OUTPUT_FILE, OUTPUT_FOLDER
 from attn_doctor.core.errors import BadInput
 
 PASTED_FORMATS = ("issue", "markdown")  # pasted where others read them: redacted and within GitHub's limit
 
 
 @click.command()
-@click.argument("results", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("results", nargs=-1, type=INPUT_ANY)
 @click.option("--format", "fmt", type=click.Choice(["markdown", "issue", "html", "csv", "json"]), default="markdown",
               show_default=True, help="issue: a GitHub issue body for NVIDIA/TransformerEngine's tracker.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here instead of stdout.")
-@click.option("--merge-to", "merge_to", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--output", type=OUTPUT_FILE, help="Write here instead of stdout.")
+@click.option("--merge-to", "merge_to", type=OUTPUT_FOLDER,
               help="With several sweep folders of one machine (the shards of a sweep): also write them as one sweep "
                    "folder here, which `sweep --resume` continues and `report` reads.")
 @click.option("--no-redact", "keep_identity", is_flag=True,
@@ -31,16 +32,13 @@ def report(app: Application, results: tuple[Path, ...], fmt: str, output: Path |
     shards of a sweep, or one sweep on several machines)."""
     from attn_doctor.cli import known
     from attn_doctor.render.report_data import ReportData
-    from attn_doctor.results.files import check_writable, write_or_keep
+    from attn_doctor.results.files import write_or_keep
     from attn_doctor.results.log import load_source
     from attn_doctor.results.merge import machine_key, machine_title, merge, merge_folders
 
-    if output is not None:
-        check_writable(output, "--output")
     if merge_to is not None:
         if len(results) < 2:
             raise BadInput("--merge-to merges several sweep folders: give two or more")
-        check_writable(merge_to, "--merge-to", directory=True)
         points = merge_folders(list(results), merge_to)
         app.console.print(f"merged {points} points of {len(results)} folders into {merge_to} (`attn-doctor sweep "
                           f"--resume {merge_to}` with the unsharded command runs the points none of them finished)")

@@ -8,8 +8,10 @@ import click
 
 from attn_doctor.cli.app import Application, Interrupted
 from attn_doctor.cli.options import (
+    OUTPUT_FILE,
     backend_options,
     build_case,
+    given_case_fields,
     SIZE,
     case_options,
     given,
@@ -23,7 +25,7 @@ from attn_doctor.core.layouts import canonical_layouts
 @click.command()
 @case_options
 @backend_options
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OUTPUT_FILE,
               help="Write the results document here (default: attn-doctor-results/<run-id>/results.json).")
 @click.option("--profile", is_flag=True, help="Print where the time went (startup, reference, kernels, ...).")
 @click.option("--wide", is_flag=True, help="One wide table with what ran in a column (needs ~150 columns).")
@@ -53,17 +55,22 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
         prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
-    from attn_doctor.results.files import check_writable
-    from attn_doctor.workflows.run import RunInterrupted, RunRequest
+    from attn_doctor.core.paths import check_output
+    from attn_doctor.workflows.run import RunInterrupted, RunRequest, sized_for_cpu
     from attn_doctor.workflows.run import run as run_workflow
 
     specs = select(backends, kernels, cudnn)
-    out_path = json_path or app.new_run_dir("run") / "results.json"
-    check_writable(out_path, "--json")
+    out_path = json_path
+    if out_path is None:
+        out_path = app.new_run_dir("run") / "results.json"
+        check_output(out_path, "--json")
     request = RunRequest(case, specs, canonical_layouts(layouts), resolve_device(device), app.command_line(), timeout,
                          tp=tp_degree, cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc,
                          layouts_given=bool(layouts), repeats=repeats)
-    title = f"{case.short()} on {request.device}"
+    request = sized_for_cpu(request, given_case_fields(case_flags))
+    for note in request.notes:
+        app.console.print(note, soft_wrap=True)  # one line in a pipe or a log too
+    title = f"{request.case.short()} on {request.device}"
     try:
         report = run_workflow(request, app.progress())
     except RunInterrupted as interrupted:

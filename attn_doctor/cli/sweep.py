@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from attn_doctor.cli.app import Application, Interrupted
 from attn_doctor.cli.options import (
+    INPUT_FOLDER,
+    OUTPUT_FOLDER,
     SHARD,
     WORKERS,
     backend_options,
@@ -23,9 +23,9 @@ from attn_doctor.core.layouts import canonical_layouts
 @click.command()
 @grid_options
 @backend_options
-@click.option("--resume", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--resume", type=INPUT_FOLDER,
               help="Continue the sweep in this directory, skipping the points already in its results.jsonl.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", "out_dir", type=OUTPUT_FOLDER,
               help="Directory for results.jsonl, results.json and the plot "
                    "(default: attn-doctor-results/sweep-<stamp>).")
 @click.option("--shard", type=SHARD, default=None,
@@ -56,12 +56,16 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, 
     prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
-    from attn_doctor.results.files import check_writable
+    from attn_doctor.core.paths import check_output
     from attn_doctor.workflows import sweep as sweeping
 
     specs = select(backends, kernels, cudnn)
-    directory = resume or out_dir or app.new_run_dir("sweep")
-    check_writable(directory, "--resume" if resume else "--out", directory=True)
+    directory = resume or out_dir
+    if directory is None:
+        directory = app.new_run_dir("sweep")
+        check_output(directory, "--out", directory=True)
+    elif resume is not None:
+        check_output(resume, "--resume", directory=True)
     if dropped:
         app.console.print(f"{len(dropped)} combinations of the grids are not valid cases and were left out "
                           f"(e.g. {dropped[0]})")

@@ -33,6 +33,7 @@ else:  # pragma: no cover
 
 from attn_doctor.core.case import GRID_FIELDS, Case, make_case
 from attn_doctor.core.errors import BadInput
+from attn_doctor.core.paths import check_input
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 TOP_LEVEL = ("description", "case", "grid", "grids", "drop_invalid", "layouts")
@@ -55,6 +56,7 @@ class Recipe:
 
 
 def find_recipe(name_or_path: str) -> Path:
+    check_input(name_or_path, "--recipe", "file")
     candidates = [Path(name_or_path)]
     if not name_or_path.endswith(".toml"):
         candidates += [Path("recipes") / f"{name_or_path}.toml", RECIPES_DIR / f"{name_or_path}.toml"]

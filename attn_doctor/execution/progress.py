@@ -1,6 +1,6 @@
 """What a long command reports while it works: a small sink that execution and the workflows call and a
-renderer implements (`attn_doctor.render.progress` draws it on a terminal; this base class draws nothing,
-which is what tests, pipes and CI logs get)."""
+renderer implements (`attn_doctor.render.progress` draws it on a terminal, or prints a heartbeat line every
+30 s where stderr is not one; this base class draws nothing: what a workflow called without a sink gets)."""
 
 from __future__ import annotations
 

@@ -130,6 +130,7 @@ def _bisect_html(bisect: BisectRecord) -> str:
 def report_html(data: ReportData) -> str:
     report = data.report
     parts = [f"<h1>attn-doctor report</h1><p><strong>Verdict:</strong> {escape(report.summary)}</p>"]
+    parts += [f"<p><strong>Note:</strong> {escape(note)}.</p>" for note in report.notes]
     if data.known:
         items = "".join(f"<li>{escape(text)}</li>" for text in data.known)
         parts.append(f"<p><strong>Known defects matching this machine and case:</strong></p><ul>{items}</ul>")

@@ -126,6 +126,7 @@ def report_markdown(data: ReportData) -> str:
     cases = list(dict.fromkeys(row.case for row in report.rows))
     if len(cases) == 1:
         top += ["**Case:** " + escape(cases[0].short()) + ". " + escape("; ".join(describe(cases[0]))) + ".", ""]
+    top += [f"**Note:** {escape(note)}." for note in report.notes] + ([""] if report.notes else [])
     for bisect in data.bisects:
         top += [f"### Bisect of {escape(bisect.tested)}", "", *bisect_lines(bisect)]
 

@@ -1,7 +1,12 @@
-"""Progress on a terminal: counts, an ETA and what is running now, on stderr, gone when done (rich's
-Progress, transient). Commands use it only when stderr is a terminal; pipes, logs and tests get nothing."""
+"""Progress while a long command works, on stderr. On a terminal: counts, an ETA and what is running now, gone
+when done (rich's Progress, transient). Elsewhere (a pipe, a CI log, a test): a heartbeat, one short line every
+30 s of work and nothing on shorter work, so that a log shows the command is alive and how far it got."""
 
 from __future__ import annotations
+
+import threading
+import time
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -41,3 +46,66 @@ class TerminalProgress(ProgressSink):
         if self._task is not None:
             self._progress.stop()
             self._task = None
+
+
+HEARTBEAT_INTERVAL_S = 30.0  # CI systems kill a job silent for ~10 minutes; a human watching a log wants less
+
+
+class HeartbeatProgress(ProgressSink):
+    """One line on `stream` every `interval_s` from the first stage's start until the last one ends:
+    "attn-doctor: 12 of 40 probes done, 1m30s elapsed". Steps are counted from any thread (the session reports
+    rows from its workers' threads)."""
+
+    def __init__(self, stream: TextIO, interval_s: float = HEARTBEAT_INTERVAL_S):
+        self._stream = stream
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._beating: threading.Thread | None = None
+        self._started = 0.0
+        self._done = self._total = 0
+        self._what = ""
+
+    def begin(self, total: int, what: str) -> None:
+        with self._lock:
+            self._done, self._total, self._what = 0, max(total, 0), what
+            if self._beating is None:
+                self._started = time.monotonic()
+                self._stopped.clear()
+                self._beating = threading.Thread(target=self._beat, name="attn-doctor heartbeat", daemon=True)
+                self._beating.start()
+
+    def advance(self, steps: int = 1, what: str | None = None) -> None:
+        with self._lock:
+            self._done += steps
+            self._total = max(self._total, self._done)  # more than estimated: stretch (a bisect's total)
+
+    def end(self) -> None:
+        with self._lock:
+            beating, self._beating = self._beating, None
+        if beating is not None:
+            self._stopped.set()
+            beating.join()
+
+    def line(self) -> str:
+        with self._lock:
+            done, total, what, elapsed = self._done, self._total, self._what, time.monotonic() - self._started
+        return f"attn-doctor: {done} of {total} {what} done, {duration(elapsed)} elapsed"
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            try:
+                self._stream.write(self.line() + "\n")
+                self._stream.flush()
+            except (OSError, ValueError):  # the reader went away or the stream was closed: stop saying anything
+                return
+
+
+def duration(seconds: float) -> str:
+    """45s, 1m30s, 1h02m."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attn_doctor.core import schemas
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BackendSpec, Coords, coords_at, knob_dict
 from attn_doctor.core.errors import BadInput
@@ -38,6 +39,7 @@ BISECT_FORMAT_VERSION = 2  # 2: conditions may carry a relation; "changes" lists
 BISECT_KEYS = ("start_case", "minimal_case", "necessary", "probes")  # what every bisect document has
 REPRO_NAME = re.compile(r"repro_[\w.-]+\.py")  # `attn_doctor.bisect.repro.repro_name`
 NOTE_CHARS = 200  # a probe's note is cut at this many characters
+REGENERATE = "re-run the bisect to regenerate it"
 ON_MINIMAL = " on the minimal case"  # a step's `tried` ends so when it was tried again after the others moved
 
 
@@ -182,6 +184,7 @@ def read_bisect(document: dict[str, Any], path: Path) -> BisectRecord:
     """The bisect document `document`, read from `path` (its repro is looked for beside it); BadInput naming
     the file when it is damaged."""
     path = Path(path)
+    schemas.check(document, schemas.BISECT, str(path), REGENERATE)
     try:
         spec = _backend_spec(document)
         start, minimal = _coords(document["start_case"], spec), _coords(document["minimal_case"], spec)
@@ -195,8 +198,7 @@ def read_bisect(document: dict[str, Any], path: Path) -> BisectRecord:
         rows = [Row.from_dict(r) for r in document.get("results") or []]
         env = EnvReport.from_dict(document["env"]) if document.get("env") else None
     except (KeyError, TypeError, ValueError, AttributeError, BadInput) as exc:
-        raise BadInput(f"{path} is a damaged bisect document ({type(exc).__name__}: {exc}); re-run the bisect "
-                       "to regenerate it") from None
+        raise BadInput(f"{path} is a damaged bisect document ({type(exc).__name__}: {exc}); {REGENERATE}") from None
     repro_name = Path(recorded_repro).name
     repro = _read_repro(path.parent, recorded_repro)
     record = BisectRecord(path, start, minimal, necessary, probes, diagnosis, repro_name, repro, rows, env,

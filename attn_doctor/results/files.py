@@ -1,6 +1,7 @@
 """Writing results: atomically (temp file in the same folder, then a rename, so an interrupted write never
-leaves half a document), with the permissions the user's umask gives (like every other tool), checked for
-writability before any work starts, and kept somewhere else when the place asked for fails at the end."""
+leaves half a document), with the permissions the user's umask gives (like every other tool), and kept somewhere
+else when the place asked for fails at the end. Where they may go was checked before any work started
+(`attn_doctor.core.paths.check_output`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from attn_doctor.core.errors import BadInput
+from attn_doctor.core.paths import is_special
 
 
 def current_umask() -> int:
@@ -41,7 +42,15 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write_atomic_bytes(path: Path, data: bytes) -> None:
+    """`data` into `path`. A symbolic link stays a link: what it points to is written. A device node, FIFO or
+    socket (`/dev/stdout`, a named pipe) is written to in place: a rename would replace it with a regular file."""
     path = Path(path)
+    if is_special(path):  # links followed: /dev/stdout is a link to a pipe or a terminal
+        with open(path, "wb") as handle:
+            handle.write(data)
+        return
+    if path.is_symlink():
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -54,35 +63,6 @@ def write_atomic_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def check_writable(path: Path, option: str, directory: bool = False) -> None:
-    """Refuse (BadInput) a path the results could not be written to, before any work starts, by writing a
-    temp file where they will go; the folders that had to be made for it are removed again."""
-    path = Path(path)
-    if directory and path.exists() and not path.is_dir():
-        raise BadInput(f"{option} {path} is a file; give a folder")
-    if not directory and path.is_dir():
-        raise BadInput(f"{option} {path} is a folder; give a file path")
-    folder = path if directory else path.parent
-    made: list[Path] = []
-    try:
-        for parent in reversed([folder, *folder.parents]):
-            if not parent.exists():
-                parent.mkdir()
-                made.append(parent)
-            elif not parent.is_dir():
-                raise NotADirectoryError(f"{parent} is not a folder")
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise BadInput(f"cannot write {option} {path}: {exc.strerror or exc}; choose another path") from None
-    finally:
-        for made_folder in reversed(made):
-            try:
-                made_folder.rmdir()
-            except OSError:
-                pass
 
 
 def write_or_keep(path: Path, text: str) -> tuple[Path, str | None]:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attn_doctor.core.errors import BadInput
+from attn_doctor.core import schemas
+from attn_doctor.core.errors import BadInput, first_line
 from attn_doctor.results.bisect_record import (
     BisectRecord,
     is_bisect_document,
@@ -54,10 +55,13 @@ def read_records(path: Path, hint: str, skip_blank: bool = False) -> tuple[list[
             continue
         try:
             record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadInput(f"{path}:{number} is not JSON ({type(exc).__name__}); {hint}") from None
+        schemas.check(record, schemas.SWEEP_RECORD, f"{path}:{number}", hint)
+        try:
             records.append(Record(line, record["point"], bool(record.get("point_complete")), Row.from_dict(record)))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
-                BadInput) as exc:
-            raise BadInput(f"{path}:{number} is not an attn-doctor sweep record ({type(exc).__name__}); {hint}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, BadInput) as exc:
+            raise BadInput(f"{path}:{number} is not an attn-doctor sweep record ({first_line(exc)}); {hint}") from None
     return records, torn
 
 

@@ -13,8 +13,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from attn_doctor.core import schemas
 from attn_doctor.core.documents import read_document
-from attn_doctor.core.errors import BadInput
+from attn_doctor.core.errors import BadInput, first_line
 from attn_doctor.machine.fingerprint import EnvReport
 from attn_doctor.results.row import Row
 from attn_doctor.verdict import depth as depth_analysis
@@ -22,6 +23,7 @@ from attn_doctor.verdict import diagnosis
 
 FORMAT = "attn-doctor/results"
 FORMAT_VERSION = 1
+REGENERATE = "re-run attn-doctor to regenerate it"
 
 
 @dataclass
@@ -36,6 +38,10 @@ class RunReport:
     seconds: dict[str, float] = field(default_factory=dict)
     artifacts: dict[str, str] = field(default_factory=dict)  # files beside the document, e.g. {"plot": "depth.png"}
     interrupted: bool = False  # Ctrl-C: the rows are what finished before it
+    notes: list[str] = field(default_factory=list)  # what attn-doctor chose for the user, e.g. the CPU sizing
+    # What was asked for but could not be judged, and why (a captured call whose values cannot be read): a run
+    # that judged everything else still does not exit 0.
+    not_judged: list[str] = field(default_factory=list)
 
     # -- derived (the rows are not changed after a report is made) --
 
@@ -45,6 +51,11 @@ class RunReport:
 
     @cached_property
     def summary(self) -> str:
+        return self._rows_summary() + (f" Not judged: {len(self.not_judged)} captured call"
+                                       f"{'s' * (len(self.not_judged) > 1)} ({self.not_judged[0]})."
+                                       if self.not_judged else "")
+
+    def _rows_summary(self) -> str:
         if not self.interrupted:
             return diagnosis.summarize(self.rows, self.requested)
         if self.untested is not None:
@@ -54,7 +65,9 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        return diagnosis.exit_code(self.rows, self.requested)
+        """The rows' exit code (`diagnosis.exit_code`); 1 instead of 0 while something asked for was not judged."""
+        code = diagnosis.exit_code(self.rows, self.requested)
+        return 1 if code == 0 and self.not_judged else code
 
     @property
     def untested(self) -> str | None:
@@ -92,28 +105,43 @@ class RunReport:
             d["requested"] = self.requested
         if self.interrupted:
             d["interrupted"] = True
+        if self.notes:  # documents without notes read as they always did
+            d["notes"] = list(self.notes)
+        if self.not_judged:
+            d["not_judged"] = list(self.not_judged)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "results") -> "RunReport":
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise BadInput(f"{source} is not an attn-doctor results document (no \"format\": \"{FORMAT}\")")
+        schemas.check(d, schemas.RESULTS, source, REGENERATE)
         try:
             requested = d.get("requested")
+            notes = d.get("notes")
             return cls(
                 command=d.get("command", ""),
                 device=d.get("device", ""),
                 env=EnvReport.from_dict(d["env"]) if d.get("env") else None,
-                rows=[Row.from_dict(r) for r in d["results"]],
+                rows=[_row(index, r) for index, r in enumerate(d["results"])],
                 requested=[str(name) for name in requested] if isinstance(requested, list) else None,
                 tool_version=d.get("tool_version", ""),
                 created=d.get("created", ""),
                 seconds=d.get("seconds", {}),
                 artifacts=d.get("artifacts", {}),
                 interrupted=bool(d.get("interrupted", False)),
+                notes=[str(note) for note in notes] if isinstance(notes, list) else [],
+                not_judged=list(d.get("not_judged", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError, BadInput) as exc:
-            raise BadInput(f"{source} is damaged ({type(exc).__name__}: {exc}); re-run attn-doctor to regenerate it") from None
+            raise BadInput(f"{source} is damaged ({type(exc).__name__}: {exc}); {REGENERATE}") from None
+
+
+def _row(index: int, d: dict[str, Any]) -> Row:
+    try:
+        return Row.from_dict(d)
+    except (KeyError, TypeError, ValueError, AttributeError, BadInput) as exc:
+        raise ValueError(f"results[{index}]: {exc if type(exc) is ValueError else first_line(exc)}") from None
 
 
 def _json_default(value: Any) -> Any:

@@ -101,8 +101,16 @@ class Row:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Row:
+        from attn_doctor.backends import REGISTRY
+
+        family, options = d.get("family", ""), d.get("options", {})
+        if family not in REGISTRY:
+            raise ValueError(f"family {family!r} is no backend family attn-doctor knows ({', '.join(REGISTRY)})")
+        missing = [name for name in REGISTRY[family].required_options if not isinstance(options.get(name), str)]
+        if missing:
+            raise ValueError(f"a {family} row's options have no {' or '.join(missing)}")
         tensors = {name: _tensor_verdict(name, t) for name, t in d.get("tensors", {}).items()}
-        spec = BackendSpec(d["backend"], d.get("family", ""), dict(d.get("options", {})))
+        spec = BackendSpec(d["backend"], family, dict(options))
         coords = Coords.from_params(Case.from_dict(d["case"]), spec, d["layout"], d.get("coords", {}))
         return cls(
             coords=coords,

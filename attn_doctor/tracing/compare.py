@@ -564,4 +564,8 @@ def compare_captures(root_a: Path, root_b: Path, labels: tuple[str, str] | None 
                 (run_a.shard_e[name], run_b.shard_e[name]), FLOOR_EPS * max(run_a.eps, run_b.eps),
                 (_flash_e(run_a, name), _flash_e(run_b, name))))
         layers.append(entry)
+    if not upstream.differs and not any(layer.measured for layer in layers):
+        first = layers[0]
+        raise BadInput(f"no layer of {root_a} and {root_b} could be compared ({len(layers)} with values in both; "
+                       f"step {first.step}, layer {first.layer}: {first.skipped or 'no tensor in both'})")
     return Comparison(labels, layers, upstream)

@@ -30,6 +30,7 @@ import torch
 
 from attn_doctor.core.case import Case, make_case
 from attn_doctor.core.errors import BadInput
+from attn_doctor.core.paths import check_input
 from attn_doctor.numerics.standalone import TORCH_DTYPES
 from attn_doctor.tracing.clients import MEGATRON_API
 from attn_doctor.tracing.store import HEADER, CapturedCall, load_values, read_capture
@@ -116,6 +117,10 @@ def packed_offsets(call: CapturedCall) -> dict[str, tuple[list[int] | None, list
     return {"q": (cu_q, padded_q or cu_q), "kv": (cu_kv, padded_kv or cu_kv)}
 
 
+class UnexpectedShapes(Exception):
+    """q, k and v's recorded shapes are not what the call's API takes: the call cannot be replayed."""
+
+
 def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
     """The case a captured call asks, or why it cannot be replayed yet."""
     meta = call.meta
@@ -129,18 +134,21 @@ def case_of(call: CapturedCall, root: Path, seed: int = 1234) -> Case | str:
         return f"dtype {meta['tensors']['q']['dtype']} (attn-doctor checks bf16, fp16, fp32)"
     fields: dict[str, Any] = dict(dtype=dtype, seed=seed, replay=reference_of(root, call))
     api = meta["api"]
-    if api == "torch.sdpa":
-        reason = _sdpa_fields(call, shapes, fields)
-    elif api in ("flash_attn.flash_attn_func", "flash_attn.flash_attn_varlen_func"):
-        reason = _flash_fields(call, shapes, fields)
-    elif api == "te.DotProductAttention":
-        reason = _te_fields(call, shapes, fields)
-    elif api == MEGATRON_API:
-        reason = _megatron_fields(call, shapes, fields)
-    elif api.startswith("module:"):
-        reason = _module_fields(call, shapes, fields)
-    else:
-        reason = f"{api} (not replayed yet)"
+    try:
+        if api == "torch.sdpa":
+            reason = _sdpa_fields(call, shapes, fields)
+        elif api in ("flash_attn.flash_attn_func", "flash_attn.flash_attn_varlen_func"):
+            reason = _flash_fields(call, shapes, fields)
+        elif api == "te.DotProductAttention":
+            reason = _te_fields(call, shapes, fields)
+        elif api == MEGATRON_API:
+            reason = _megatron_fields(call, shapes, fields)
+        elif api.startswith("module:"):
+            reason = _module_fields(call, shapes, fields)
+        else:
+            reason = f"{api} (not replayed yet)"
+    except UnexpectedShapes as exc:
+        reason = str(exc)
     if reason is not None:
         return reason
     try:
@@ -250,6 +258,9 @@ def _te_fields(call: CapturedCall, shapes: dict, fields: dict) -> str | None:
 def _dims(shapes: dict, fmt: str) -> dict[str, int]:
     """The case's sizes from q, k, v's shapes in a padded format (bshd, sbhd or bhsd), as every API's reader
     takes them."""
+    if any(len(shapes[name]) != len(fmt) for name in ("q", "k", "v")):
+        raise UnexpectedShapes(f"q, k, v of shapes {shapes['q']}, {shapes['k']}, {shapes['v']}: not {fmt} as the "
+                               "call's API and arguments say")
     q, k = (dict(zip(fmt, shapes[name])) for name in ("q", "k"))
     return dict(batch=q["b"], seq=q["s"], seq_kv=k["s"], heads=q["h"], kv_heads=k["h"], head_dim=q["d"],
                 head_dim_v=shapes["v"][fmt.index("d")])
@@ -426,10 +437,11 @@ def _te_padding_lengths(call: CapturedCall) -> tuple[tuple[int, ...], tuple[int,
 
 def case_of_reference(reference: str) -> Case:
     """The case of the call `reference` names (bad input when it cannot be replayed)."""
+    check_input(capture_of(reference), "--replay", "folder")
     call = load_call(reference)
-    case = case_of(call, capture_of(reference))
+    case = call.values_problem() or case_of(call, capture_of(reference))
     if isinstance(case, str):
-        raise BadInput(f"--replay {reference}: this call cannot be replayed yet: {case}")
+        raise BadInput(f"--replay {reference}: this call cannot be replayed: {case}")
     return case
 
 

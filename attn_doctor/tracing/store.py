@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 from collections.abc import Callable
@@ -37,12 +38,14 @@ from typing import Any
 
 import torch
 
+from attn_doctor.core import schemas
 from attn_doctor.core.errors import BadInput
 from attn_doctor.results.files import write_atomic, write_atomic_bytes
 
 FORMAT = "attn-doctor/capture"
 FORMAT_VERSION = 3  # 2: a signature's line per distinct call, a short line per call naming it; 3: dO's geometry
 HEADER = "capture.json"
+DAMAGED = "the capture is damaged: capture again"
 
 
 def rank_dir(root: Path, rank: int) -> Path:
@@ -65,10 +68,8 @@ def read_model_facts(root: Path) -> list[dict[str, Any]]:
         try:
             document = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadInput(f"{path} is unreadable ({type(exc).__name__}); the capture is damaged: capture again"
-                           ) from None
-        if not isinstance(document, dict) or not isinstance(document.get("weights", []), list):
-            raise BadInput(f"{path} is not what capture writes; the capture is damaged: capture again")
+            raise BadInput(f"{path} is unreadable ({type(exc).__name__}); {DAMAGED}") from None
+        schemas.check(document, schemas.MODEL_FACTS, str(path), DAMAGED)
         facts.append(document)
     return sorted(facts, key=lambda d: d.get("rank", 0))
 
@@ -175,6 +176,17 @@ def load_values(path: Path, wanted: Callable[[str], bool] | None = None) -> dict
                        "capture is damaged: capture again") from None
 
 
+def value_shapes(path: Path) -> dict[str, list[int]] | str:
+    """The shape of each tensor in a values file (its header only), or why it cannot be read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as values:
+            return {name: list(values.get_slice(name).get_shape()) for name in values.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error type varies between its versions
+        return f"its values file {path} is not readable ({type(exc).__name__}: {str(exc)[:120]})"
+
+
 @dataclass(frozen=True)
 class CapturedCall:
     """One recorded attention call: its metadata (`meta`, as written) and where its values are."""
@@ -202,12 +214,33 @@ class CapturedCall:
     def dout_path(self) -> Path | None:
         return self._file(".dout.safetensors")
 
-    def check_values(self) -> None:
-        """Bad input when a values file of the call (its forward's, its output gradient's) is damaged; reads
-        only the files' headers."""
-        for path in (self.values_path, self.dout_path):
-            if path is not None:
-                load_values(path, lambda name: False)
+    def values_problem(self) -> str | None:
+        """Why the values recorded for this call cannot be used, or None: its forward's values file is gone,
+        damaged, or holds other tensors than the call's q, k, v (by name and shape), or its output gradient's
+        file holds no output gradient of the call's size. Replay never judges a call on other numbers (seeded
+        ones, say) without saying so. Reads only the files' headers."""
+        recorded = self.meta.get("values") or ""
+        if recorded.endswith(".safetensors"):
+            path = self.folder / Path(recorded).name
+            if not path.is_file():
+                return f"its values file {path} is gone"
+            shapes = value_shapes(path)
+            if isinstance(shapes, str):
+                return shapes
+            for name in ("q", "k", "v"):
+                wanted = (self.meta["tensors"].get(name) or {}).get("shape")
+                if wanted is not None and shapes.get(name) != wanted:
+                    held = f"{name} of shape {shapes[name]}" if name in shapes else f"no {name}"
+                    return f"its values file {path} holds {held}, not the call's {name} of shape {wanted}"
+        dout_path = self.dout_path
+        wanted = (self.meta["tensors"].get("dout") or {}).get("shape")
+        if dout_path is not None and wanted is not None:
+            shapes = value_shapes(dout_path)
+            if isinstance(shapes, str):
+                return shapes
+            if "dout" not in shapes or math.prod(shapes["dout"]) != math.prod(wanted):
+                return f"its output gradient's file {dout_path} holds no output gradient of shape {wanted}"
+        return None
 
     def gradient(self, name: str) -> torch.Tensor | None:
         """dq, dk or dv as the captured run's backward computed it, when recorded."""
@@ -233,12 +266,13 @@ def read_capture(root: Path) -> list[CapturedCall]:
         document = json.loads(header.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise BadInput(f"{header} is unreadable ({type(exc).__name__}); capture again") from None
+    schemas.check(document, schemas.CAPTURE_HEADER, str(header), "capture again")
     if document.get("format") != FORMAT or document.get("format_version", 0) > FORMAT_VERSION:
         raise BadInput(f"{header} is not a capture this attn-doctor reads (format {document.get('format')!r}, "
                        f"version {document.get('format_version')!r}); upgrade attn-doctor")
     calls = [CapturedCall(path.parent, meta) for path in sorted(root.glob("rank*/calls-*.jsonl"))
              for meta in read_calls(path)]
-    return sorted(calls, key=lambda c: (c.rank, c.meta["process"]["started"], c.index))
+    return sorted(calls, key=lambda c: (c.rank, c.meta["process"].get("started", ""), c.index))
 
 
 def read_calls(path: Path) -> list[dict[str, Any]]:
@@ -258,6 +292,7 @@ def read_calls(path: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(lines, start=1):
         try:
             document = json.loads(line)
+            schemas.check(document, schemas.CALL_LINE, f"{path}:{number}", DAMAGED)
             if "gradient_of" in document:  # after its call's line: the hook that writes it is set then
                 call, site = latest.get(document["gradient_of"], (None, None))
                 if call is not None and "dout" not in call["tensors"]:  # a copy: a signature's calls share its dict
@@ -279,7 +314,8 @@ def read_calls(path: Path) -> list[dict[str, Any]]:
             if site in sites:  # the site's dO, written once (`Recorder._gradient_seen`)
                 document["tensors"] = {**document["tensors"], "dout": sites[site]}
         except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError, KeyError):
-            raise BadInput(f"{path}:{number} is not a captured call; the capture is damaged") from None
+            raise BadInput(f"{path}:{number} is not a captured call; {DAMAGED}") from None
+        schemas.check(document, schemas.CALL, f"{path}:{number}", DAMAGED)
         calls.append(document)
         latest[document["index"]] = document, site
     return calls

@@ -3,10 +3,11 @@ shards (`--tp` without `--nproc`), or on real ranks (`--nproc`). Callable withou
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BackendSpec, Coords, check_grid
@@ -42,6 +43,7 @@ class RunRequest:
     nproc: int | None = None  # real ranks; None: one process's workers
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards)
     repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
+    notes: list[str] = field(default_factory=list)  # what attn-doctor chose for the user (the CPU sizing), kept
 
     @property
     def kind(self) -> ProbeKind:
@@ -80,6 +82,28 @@ def check_repeats(repeats: object) -> None:
         raise BadInput(f"--repeats takes a whole number >= 1, got {repeats!r}")
 
 
+def sized_for_cpu(request: RunRequest, given: Collection[str]) -> RunRequest:
+    """The request with its case's default sizes shrunk where this CPU's matrix products in the case's dtype are
+    too slow for the run to answer in about 30 s (`attn_doctor.core.cpu_sizing`; `given`: the case fields the
+    user chose, kept), and a note saying so. The rate is measured (a few milliseconds) only when a size may
+    shrink; probes on real ranks (--nproc) are left as they are. What cannot run as asked (bad input, more
+    memory than the machine has) is refused as asked, before anything is sized."""
+    from attn_doctor.core.cpu_sizing import resizable, size_for_cpu
+    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.machine.matmul_rate import cpu_matmul_gflops
+
+    if request.kind is ProbeKind.DISTRIBUTED or not resizable(request.case, request.device, given):
+        return request
+    request.check()
+    probes = runnable(plan(request), request.specs, request.device, request.kind, [request.tp])
+    check_fits(probes, request.device, repeats=request.repeats)
+    sizing = size_for_cpu(request.case, request.device, given, len(probes) * request.repeats,
+                          cpu_matmul_gflops(request.case.dtype))
+    if sizing.note is None:
+        return request
+    return dataclasses.replace(request, case=sizing.case, notes=[*request.notes, sizing.note])
+
+
 def plan(request: RunRequest) -> list[Coords]:
     from attn_doctor.probes.plan import plan_calls, plan_tp
 
@@ -89,7 +113,8 @@ def plan(request: RunRequest) -> list[Coords]:
 
 
 def make_report(rows: list[Row], request_specs: list[BackendSpec], device: str, command: str,
-                facts: dict | None = None, read_te: bool = True, interrupted: bool = False) -> RunReport:
+                facts: dict | None = None, read_te: bool = True, interrupted: bool = False,
+                notes: list[str] | None = None, not_judged: list[str] | None = None) -> RunReport:
     """Judged rows -> the results document, with the machine's fingerprint (TE's facts from the TE worker
     when it ran, else probed in a subprocess when `read_te`)."""
     from attn_doctor import __version__
@@ -100,7 +125,8 @@ def make_report(rows: list[Row], request_specs: list[BackendSpec], device: str, 
     env = collect_env(te_facts=te_facts, read_te=read_te and te_facts is None and te_installed())
     return RunReport(command=command, device=device, env=env, rows=rows,
                      requested=list(dict.fromkeys(spec.name for spec in request_specs)),
-                     tool_version=__version__, interrupted=interrupted,
+                     tool_version=__version__, interrupted=interrupted, notes=list(notes or []),
+                     not_judged=list(not_judged or []),
                      created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
@@ -159,10 +185,10 @@ def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
         progress.end()
         finished = getattr(exc, "finished_rows", [])
         raise RunInterrupted(make_report(finished, request.specs, request.device, request.command, read_te=False,
-                                         interrupted=True)) from None
+                                         interrupted=True, notes=request.notes)) from None
     progress.end()
     probes_s = time.perf_counter() - start
-    report = make_report(rows, request.specs, request.device, request.command, facts)
+    report = make_report(rows, request.specs, request.device, request.command, facts, notes=request.notes)
     report.seconds = profile(rows, startup, reference_s, probes_s, time.perf_counter() - start)
     return report
 

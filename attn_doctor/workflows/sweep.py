@@ -39,6 +39,7 @@ class SweepRequest:
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards and depth stacks)
     repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
     shard: tuple[int, int] | None = None  # --shard I/N: only the I-th of N slices of the points (`shard_of`)
+    not_judged: list[str] = field(default_factory=list)  # asked for, not runnable: why each (replay's damaged calls)
 
 
 @dataclass
@@ -138,7 +139,8 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     request = plan.request
     progress = progress or ProgressSink()
     start = time.perf_counter()
-    plan.log.write_header(make_report([], request.specs, request.device, request.command, read_te=False))
+    plan.log.write_header(make_report([], request.specs, request.device, request.command, read_te=False,
+                                      not_judged=request.not_judged))
     rows = list(plan.done_rows)
     groups = [point.coords(request.specs) for point in plan.todo]
     progress.begin(sum(len(coords) for coords in groups), "probes")
@@ -153,7 +155,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
             rows.extend(point_rows)
         facts = session.facts
     progress.end()
-    report = make_report(rows, request.specs, request.device, request.command, facts)
+    report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged)
     # This run's wall time and pace (points already done by an earlier run are not counted).
     wall = time.perf_counter() - start
     report.seconds = {"wall": wall, "points": float(len(plan.todo)),
