@@ -125,3 +125,18 @@ def test_an_intact_capture_is_judged_whole(capture, tmp_path, run_cli):
     result = run_cli(["replay", capture, *REPLAY, "--out", out])
     assert result.exit_code == 0, result.output
     assert "not_judged" not in json.loads((out / "results.json").read_text())
+
+
+def test_a_call_outside_any_numbered_layer_is_listed_with_those_inside_one(capture, tmp_path, run_cli):
+    """A call whose layer is not known (null: no layer number in its module path) and one of layer 0 are one
+    distinct call: replay lists its layers as "0, none" (it once sorted None against 0: a traceback)."""
+    root = shutil.copytree(capture, tmp_path / "capture")
+    calls_file = next(root.glob("rank0/calls-*.jsonl"))
+    lines = [json.loads(line) for line in calls_file.read_text().splitlines() if line.strip()]
+    for line in lines:
+        if line.get("index") == 1:
+            line.update(signature=0, layer=None)  # the same call as call 0's, outside any numbered layer
+    calls_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = run_cli(["replay", root, *REPLAY, "--out", tmp_path / "out"])
+    assert result.exit_code == 0, result.output
+    assert "2 calls, 1 distinct" in result.stdout and "layers 0, none" in " ".join(result.stdout.split())

@@ -13,10 +13,12 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
 
 
-def _span(values: list[int]) -> str:
-    values = sorted(set(values))
-    return f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}" if values == list(
-        range(values[0], values[-1] + 1)) else ",".join(map(str, values))
+def _span(values: list[int | None]) -> str:
+    """`0-3`, `0,2,5` or `4`; a call outside any numbered layer (None) adds "none"."""
+    known = sorted({value for value in values if value is not None})
+    text = "" if not known else f"{known[0]}" if len(known) == 1 else f"{known[0]}-{known[-1]}" if known == list(
+        range(known[0], known[-1] + 1)) else ",".join(map(str, known))
+    return ", ".join(part for part in (text, "none" if None in values else "") if part)
 
 
 @click.command()
