@@ -152,7 +152,13 @@ def _call_layer(folder: Path) -> str:
 def _call_shape(folder: Path) -> str:
     path = _only(folder, "rank0/calls-*.jsonl")
     number = _edit_line(path, lambda line: "tensors" in line, _set("tensors", "q", "shape", to=1.5))
-    return f"{path.name}:{number + 1}: field tensors.q.shape is 1.5, not an array"  # checked whole at its call
+    return f"{path.name}:{number}: field tensors.q.shape is 1.5, not an array"  # the signature's line holds it
+
+
+def _gradient_geometry(folder: Path) -> str:
+    path = _only(folder, "rank0/calls-*.jsonl")
+    number = _edit_line(path, lambda line: "gradient_geometry" in line, _set("tensor", "shape", to="x"))
+    return f"{path.name}:{number}: field tensor.shape is 'x', not an array"
 
 
 def _model_checksums(folder: Path) -> str:
@@ -174,7 +180,7 @@ def _replay_reference(capture: Path) -> str:
 
 RESULTS = [_results_verdict, _results_tensor, _results_layout_missing, _results_seconds, _results_family,
            _results_kernel_options]
-CAPTURE = [_capture_header, _call_layer, _call_shape]
+CAPTURE = [_capture_header, _call_layer, _call_shape, _gradient_geometry]
 
 # (command, the folder it reads, the damages it must refuse, its arguments given the damaged folder)
 COMMANDS = [

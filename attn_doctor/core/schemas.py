@@ -75,17 +75,21 @@ TENSOR = _object({
     "device": TEXT, "storage": _object({"id": WHOLE, "nbytes": COUNT}), "requires_grad": FLAG,
 }, required=("shape", "dtype"))
 
-CALL = _object({
-    "index": COUNT, "rank": COUNT, "world_size": COUNT, "api": TEXT, "module": MAYBE_TEXT, "layer": MAYBE_COUNT,
-    "step": COUNT, "values": MAYBE_TEXT, "process": _object({"pid": WHOLE, "started": TEXT}, ("pid",)),
-    "parallel": {"type": "object", "additionalProperties": WHOLE}, "arguments": OBJECT,
-    "tensors": {"type": "object", "additionalProperties": TENSOR},
-}, required=("index", "rank", "api", "process", "tensors"))
-
-# A line of a calls file: a call, a signature (what calls share), an output gradient's geometry, or which
-# geometry a call's output gradient had; a call is checked again whole once its signature is merged in (CALL).
-CALL_LINE = _object({"index": COUNT, "signature": COUNT, "gradient_geometry": COUNT, "tensor": TENSOR,
-                     "gradient_of": COUNT, "geometry": COUNT})
+# The lines of a calls file, each checked once, by its kind: a signature (what calls share, written once for
+# many calls: the tensors' geometry is the costly part to check, about 0.4 ms), a call naming its signature
+# (what is its own), a call whole (format 1), an output gradient's geometry, and which geometry a call's output
+# gradient had.
+_SHARED = {"rank": COUNT, "world_size": COUNT, "api": TEXT,
+           "process": _object({"pid": WHOLE, "started": TEXT}, ("pid",)),
+           "parallel": {"type": "object", "additionalProperties": WHOLE}, "arguments": OBJECT,
+           "tensors": {"type": "object", "additionalProperties": TENSOR}}
+_OWN = {"index": COUNT, "module": MAYBE_TEXT, "layer": MAYBE_COUNT, "step": COUNT, "values": MAYBE_TEXT,
+        "signature": COUNT}
+SIGNATURE = _object({**_SHARED, "signature": COUNT}, required=("signature", "rank", "api", "process", "tensors"))
+CALL_OF_SIGNATURE = _object(_OWN, required=("index", "signature"))
+CALL = _object({**_OWN, **_SHARED}, required=("index", "rank", "api", "process", "tensors"))
+GRADIENT_GEOMETRY = _object({"gradient_geometry": COUNT, "tensor": TENSOR}, required=("gradient_geometry", "tensor"))
+GRADIENT_OF = _object({"gradient_of": COUNT, "geometry": COUNT}, required=("gradient_of", "geometry"))
 
 WEIGHT = _object({
     "name": TEXT, "dtype": TEXT, "shape": COUNTS, "split_dim": WHOLE, "sum_squares": {"type": "number", "minimum": 0},

@@ -275,6 +275,19 @@ def read_capture(root: Path) -> list[CapturedCall]:
     return sorted(calls, key=lambda c: (c.rank, c.meta["process"].get("started", ""), c.index))
 
 
+def _line_schema(document: Any) -> dict[str, Any]:
+    """The schema of a calls file's line, by its kind (`read_calls` tells the kinds apart the same way)."""
+    if not isinstance(document, dict):
+        return schemas.CALL  # the check says it is no object
+    if "gradient_of" in document:
+        return schemas.GRADIENT_OF
+    if "gradient_geometry" in document:
+        return schemas.GRADIENT_GEOMETRY
+    if "index" not in document:
+        return schemas.SIGNATURE
+    return schemas.CALL_OF_SIGNATURE if "signature" in document else schemas.CALL
+
+
 def read_calls(path: Path) -> list[dict[str, Any]]:
     """The calls of one calls file, each as one document: a call's line with the signature it names (the
     latest line defining that number above it) merged in, and its output gradient's geometry as the tensor
@@ -292,7 +305,7 @@ def read_calls(path: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(lines, start=1):
         try:
             document = json.loads(line)
-            schemas.check(document, schemas.CALL_LINE, f"{path}:{number}", DAMAGED)
+            schemas.check(document, _line_schema(document), f"{path}:{number}", DAMAGED)
             if "gradient_of" in document:  # after its call's line: the hook that writes it is set then
                 call, site = latest.get(document["gradient_of"], (None, None))
                 if call is not None and "dout" not in call["tensors"]:  # a copy: a signature's calls share its dict
@@ -315,7 +328,6 @@ def read_calls(path: Path) -> list[dict[str, Any]]:
                 document["tensors"] = {**document["tensors"], "dout": sites[site]}
         except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError, KeyError):
             raise BadInput(f"{path}:{number} is not a captured call; {DAMAGED}") from None
-        schemas.check(document, schemas.CALL, f"{path}:{number}", DAMAGED)
         calls.append(document)
         latest[document["index"]] = document, site
     return calls
