@@ -73,8 +73,12 @@ class Application:
             return progress_view.HeartbeatProgress(sys.stderr, progress_view.HEARTBEAT_INTERVAL_S)
         return progress_view.TerminalProgress(self.err_console)
 
-    def new_run_dir(self, kind: str) -> Path:
+    def new_run_dir(self, kind: str, option: str = "--out") -> Path:
+        """A new folder under attn-doctor-results/ for a command's results, checked writable before any work as a
+        given path is (`option`: what to give instead when it is not)."""
         import datetime
+
+        from attn_doctor.core.paths import check_output
 
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         path = RESULTS_DIR / f"{kind}-{stamp}"
@@ -82,6 +86,7 @@ class Application:
         while path.exists():
             suffix += 1
             path = RESULTS_DIR / f"{kind}-{stamp}-{suffix}"
+        check_output(path, option, directory=True)
         return path
 
     def kept_elsewhere(self, why: str, saved: Path) -> int:

@@ -81,10 +81,9 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, timeout,
             raise BadInput("bisect starts from one layout: give --layout at most once")
         start = knobs.coords_at(case, canonical_layouts(layouts)[0] if layouts else "contiguous", tp, layers, specs[0])
         directory = None
-    if out_dir is None:  # beside --from's results, or a new folder: checked as --out is
-        directory = directory or app.new_run_dir("bisect")
+    if out_dir is None and directory is not None:  # beside --from's results: checked as a given --out is
         check_output(directory, "--out", directory=True)
-    directory = out_dir or directory
+    directory = out_dir or directory or app.new_run_dir("bisect")
     request = BisectRequest(start, resolve_device(device), directory, repeats, timeout, app.command_line())
     console = app.console
     try:

@@ -85,14 +85,10 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     from attn_doctor.backends import select
     from attn_doctor.cli.sweep import execute
     from attn_doctor.machine.devices import resolve_device
-    from attn_doctor.core.paths import check_output
     from attn_doctor.workflows import sweep as sweeping
 
     specs = select(backends, kernels, cudnn)
-    directory = out_dir
-    if directory is None:
-        directory = app.new_run_dir("replay")
-        check_output(directory, "--out", directory=True)
+    directory = out_dir or app.new_run_dir("replay")
     request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
                                     repeats=repeats, not_judged=unreadable)

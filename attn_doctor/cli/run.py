@@ -55,15 +55,11 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
         prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
-    from attn_doctor.core.paths import check_output
     from attn_doctor.workflows.run import RunInterrupted, RunRequest, sized_for_cpu
     from attn_doctor.workflows.run import run as run_workflow
 
     specs = select(backends, kernels, cudnn)
-    out_path = json_path
-    if out_path is None:
-        out_path = app.new_run_dir("run") / "results.json"
-        check_output(out_path, "--json")
+    out_path = json_path or app.new_run_dir("run", "--json") / "results.json"
     request = RunRequest(case, specs, canonical_layouts(layouts), resolve_device(device), app.command_line(), timeout,
                          tp=tp_degree, cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc,
                          layouts_given=bool(layouts), repeats=repeats)

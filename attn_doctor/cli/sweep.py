@@ -60,12 +60,9 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, 
     from attn_doctor.workflows import sweep as sweeping
 
     specs = select(backends, kernels, cudnn)
-    directory = resume or out_dir
-    if directory is None:
-        directory = app.new_run_dir("sweep")
-        check_output(directory, "--out", directory=True)
-    elif resume is not None:
-        check_output(resume, "--resume", directory=True)
+    if resume is not None:
+        check_output(resume, "--resume", directory=True)  # read (checked as parsed) and written to
+    directory = resume or out_dir or app.new_run_dir("sweep")
     if dropped:
         app.console.print(f"{len(dropped)} combinations of the grids are not valid cases and were left out "
                           f"(e.g. {dropped[0]})")
