@@ -431,3 +431,20 @@ def test_wide_puts_what_ran_in_a_column(tmp_path, monkeypatch):
     row = next(line for line in result.stdout.splitlines() if line.split()[:1] == ["sdpa.math"])
     assert "SDPA math: composite matmul + softmax" in row and row.split()[-1] == "PASS"
     assert not any(line.startswith("ran ") for line in result.stdout.splitlines())  # not repeated below
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel, code", [("correct_fp32", 0), ("dq_two_percent", 1)])
+def test_a_reader_that_goes_away_loses_no_results_and_no_verdict(kernel, code, tmp_path):
+    """`attn-doctor run | head -1`: the command prints nothing more once its reader is gone, but saves its results
+    and exits with its verdict's code (rich's default was to exit 1 at once, before the results were saved)."""
+    results = tmp_path / "results.json"
+    proc = subprocess.Popen([sys.executable, "-m", "attn_doctor", "run", *TINY, "--backend", "local", "--layout",
+                             "contiguous", "--kernel", f"k={FAULTY}:{kernel}", "--json", str(results)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()  # what `head -1` reads, then it is gone
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, err.decode()
+    assert "Traceback" not in err.decode()
+    assert json.loads(results.read_text())["format"] == "attn-doctor/results"

@@ -54,15 +54,11 @@ class Application:
 
     @cached_property
     def console(self) -> Console:
-        from attn_doctor.render.charset import printable_console
-
-        return printable_console(highlight=False, markup=False, soft_wrap=False)
+        return _console(highlight=False, markup=False, soft_wrap=False)
 
     @cached_property
     def err_console(self) -> Console:
-        from attn_doctor.render.charset import printable_console
-
-        return printable_console(stderr=True, highlight=False, markup=False)
+        return _console(stderr=True, highlight=False, markup=False)
 
     def progress(self) -> ProgressSink:
         """Counts and an ETA on stderr while a terminal watches; in a pipe, a log or a test, a line on stderr
@@ -100,6 +96,23 @@ class Application:
         if code == EXIT_BAD_INPUT:
             click.echo(f"attn-doctor: error: {report.untested}", err=True)
         return code
+
+
+def _console(**options) -> Console:
+    """A console for what a command prints (`render.charset.printable_console`, `options` as rich takes them).
+    When its reader goes away (`| head`), it prints nothing more and the command goes on to its end: its results
+    saved, its exit code the verdict's. Rich's own answer (`Console.on_broken_pipe`) was to exit 1 at once, so a
+    `run | head` lost its results and named no verdict."""
+    from attn_doctor.render.charset import printable_console
+
+    console = printable_console(**options)
+
+    def reader_gone() -> None:
+        console.quiet = True
+        _quiet(console.file)
+
+    console.on_broken_pipe = reader_gone  # type: ignore[method-assign]  # rich's documented hook
+    return console
 
 
 class Terminated(KeyboardInterrupt):
@@ -153,7 +166,7 @@ class DoctorGroup(click.Group):
             exc.show()
             sys.exit(exc.exit_code)
         except BrokenPipeError:  # the reader went away (| head): nothing more to say
-            _quiet_stdout()
+            _quiet(sys.stdout)
             sys.exit(EXIT_OK)
         sys.exit(code if isinstance(code, int) else EXIT_OK)
 
@@ -171,9 +184,10 @@ def _interrupted(exc: BaseException) -> None:
     sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 
 
-def _quiet_stdout() -> None:
+def _quiet(stream) -> None:
+    """What is still written to `stream` (its reader gone) goes nowhere, without another BrokenPipeError."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
+        os.dup2(devnull, stream.fileno())
+    except (OSError, ValueError, AttributeError):
         pass

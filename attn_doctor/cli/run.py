@@ -91,12 +91,12 @@ def _show_and_save(app: Application, report, out_path: Path, wide: bool, title: 
     from attn_doctor.results.files import write_or_keep
     from attn_doctor.results.report import dumps
 
+    saved, why = write_or_keep(out_path, dumps(report.to_dict()))  # first: what is printed may not get through
     console = app.console
     if report.env is not None:
         console.print(env_rich_table(report.env))
     for renderable in run_view(report, title=title, wide=wide):
         console.print(renderable)
     print_defects(console, report, "Known TE/cuDNN defects that match this machine and case:")
-    saved, why = write_or_keep(out_path, dumps(report.to_dict()))
     console.print(f"results: {saved}\nreport:  attn-doctor report {saved} --format markdown")
     return saved, why

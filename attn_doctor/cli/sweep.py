@@ -89,9 +89,9 @@ def execute(app: Application, request, interrupted: str) -> int:
         report = sweeping.run(plan, app.progress())
     except KeyboardInterrupt:
         raise Interrupted(interrupted.format(log=plan.log.path, directory=directory)) from None
+    saved, why = sweeping.save(report, directory)  # first: what is printed may not get through
     for renderable in sweep_view(report):
         app.console.print(renderable)
-    saved, why = sweeping.save(report, directory)
     app.console.print(f"results: {saved} (streamed: {plan.log.path})")
     if report.artifacts.get("plot"):
         app.console.print(f"plot:    {directory / report.artifacts['plot']}")
