@@ -90,19 +90,19 @@ def test_bad_input_exits_2_with_one_line_and_nothing_written(name, tmp_path, mon
 def test_memory_refusal_gives_the_estimate_and_what_fits(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
     line = one_line_error(run_cli(["run", "--seq", "10000000", "--device", "cpu"]))
-    assert "PiB" in line and "local's working memory" in line and "of RAM" in line
+    assert "PiB" in line and "local's worker" in line and "free in RAM at the start" in line
     fits = int(line.rsplit("the longest --seq that fits is about ", 1)[1].split()[0])
     assert 0 < fits < 10_000_000
     from attn_doctor.backends import select
     from attn_doctor.core.case import make_case
-    from attn_doctor.execution.budget import available_bytes, estimate
+    from attn_doctor.execution.budget import MemoryAsk
+    from attn_doctor.execution.memory_plan import plan_memory
     from attn_doctor.probes.plan import plan_calls
     from attn_doctor.workflows.run import runnable
 
-    free, _ = available_bytes("cpu")
     specs = select([])
     coords = runnable(plan_calls(make_case(seq=fits), specs, ["contiguous"]), specs, "cpu")
-    assert estimate(coords, "cpu").total <= free  # what it says fits, fits the same estimate
+    plan_memory(coords, "cpu", MemoryAsk().budget("cpu"))  # what it says fits, fits the same plan
 
 
 @pytest.mark.slow
@@ -396,23 +396,24 @@ def test_the_wheel_ships_the_recipes_and_the_known_defects(tmp_path):
 
 
 def test_what_ran_on_the_h200_is_not_refused_there():
-    """The estimate never refuses what the H200 (139 GiB free) ran: the default run on every layout, the GQA
-    recipe, and the depth sweeps of TE#1615 (24 and 128 layers, TP 1 and 2; run one family at a time)."""
+    """The plan never refuses what the H200 (139 GiB free) ran: the default run on every layout, the GQA recipe,
+    and the depth sweeps of TE#1615 (24 and 128 layers, TP 1 and 2; run one family at a time)."""
     from attn_doctor.backends import select
     from attn_doctor.core.case import make_case
     from attn_doctor.core.layouts import LAYOUTS
-    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.execution.budget import MemoryBudget
+    from attn_doctor.execution.memory_plan import plan_memory
     from attn_doctor.probes.plan import plan_calls, plan_depth, plan_tp
 
-    h200 = (139 << 30, "free on cuda")
+    h200 = MemoryBudget(139 << 30, "cuda:0", "139 GiB free", 141 << 30)
     specs = select([])
     default = make_case()
-    check_fits(plan_calls(default, specs, list(LAYOUTS)), "cuda", available=h200)
-    check_fits(plan_calls(make_case(batch=2, seq=2048, heads=32, kv_heads=8, head_dim=128), specs, list(LAYOUTS)),
-               "cuda", available=h200)
-    check_fits(plan_tp(default, specs, [1, 2]), "cuda", workers_per_family=2, available=h200)
+    plan_memory(plan_calls(default, specs, list(LAYOUTS)), "cuda", h200)
+    plan_memory(plan_calls(make_case(batch=2, seq=2048, heads=32, kv_heads=8, head_dim=128), specs, list(LAYOUTS)),
+                "cuda", h200)
+    plan_memory(plan_tp(default, specs, [1, 2]), "cuda", h200, workers_per_family=2)
     for layers in (24, 128):
-        check_fits(plan_depth(default, specs, [layers], [1, 2]), "cuda", available=h200)
+        plan_memory(plan_depth(default, specs, [layers], [1, 2]), "cuda", h200)
 
 
 @pytest.mark.slow

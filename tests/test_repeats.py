@@ -261,24 +261,28 @@ def test_the_workers_jobs_carry_the_repeat_count(small_case, monkeypatch):
 def test_the_memory_estimate_counts_the_first_repeats_copy():
     from attn_doctor.backends import select
     from attn_doctor.core.case import DTYPE_BYTES, make_case
-    from attn_doctor.execution.budget import check_fits, estimate
     from attn_doctor.core.errors import BadInput
+    from attn_doctor.execution.budget import MemoryBudget
+    from attn_doctor.execution.memory_plan import plan_memory
     from attn_doctor.probes.plan import plan_calls, plan_tp
 
     case = make_case(batch=4, seq=4096, heads=16, head_dim=64)
     specs = select(["sdpa.math"])
     calls = plan_calls(case, specs, ["contiguous"])
-    once, thrice = estimate(calls, "cpu"), estimate(calls, "cpu", repeats=3)
+    once, thrice = plan_memory(calls, "cpu", None), plan_memory(calls, "cpu", None, repeats=3)
     q = case.batch * case.seq * case.heads * case.head_dim
     kv = case.batch * case.seq_kv * case.kv_heads * case.head_dim
     copy = (2 * q + 2 * kv) * DTYPE_BYTES[case.dtype]
-    assert thrice.total - once.total == pytest.approx(2 * copy, rel=0.01)  # both families keep one copy
+    assert thrice.estimate - once.estimate == pytest.approx(2 * copy, rel=0.01)  # both families keep one copy
     shards = plan_tp(case, specs, [2])
-    assert estimate(shards[1:], "cpu", repeats=3).total == estimate(shards[1:], "cpu").total  # TP runs once
-    budget = (once.total + copy // 2, "of RAM available")
-    check_fits(calls, "cpu", available=budget)
+    assert plan_memory(shards[1:], "cpu", None, repeats=3).estimate == plan_memory(shards[1:], "cpu", None).estimate
+    # below what the families side by side need, they take turns; below that with the copy, it is refused
+    in_turn = plan_memory(calls, "cpu", MemoryBudget(once.estimate - 1, "RAM", "a test budget"))
+    assert in_turn.serial and in_turn.estimate < once.estimate
+    budget = MemoryBudget(in_turn.estimate + copy // 2, "RAM", "a test budget")
+    plan_memory(calls, "cpu", budget)
     with pytest.raises(BadInput, match="needs about"):
-        check_fits(calls, "cpu", available=budget, repeats=3)
+        plan_memory(calls, "cpu", budget, repeats=3)
 
 
 # --- the repeats' arithmetic ----------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _replica_dqs(case, layers: int, tp: int = 1):
     inputs = stacking.make_stack(case, layers, torch.device("cpu"), torch.bfloat16).to(torch.float64)
-    return inputs, stacking.run_stack(inputs, case, stacking.float64_attention(case), tp=tp)
+    return inputs, stacking.stack_dqs(inputs, case, stacking.float64_attention(case), tp=tp)
 
 
 STACK_CASES = {
@@ -194,6 +194,63 @@ def test_float64_replica_tp_inside_the_stack_equals_tp1(heads, kv_heads, tp):
         assert _rel(got, want) < 1e-10
 
 
+def _whole_graph_dqs(inputs: stacking.StackInputs, case, attention, tp: int = 1) -> list[torch.Tensor]:
+    """dQ of every layer from one autograd graph over the whole stack (every layer's activations held at once):
+    what the stack computed before it held one layer's graph at a time."""
+    hidden = case.heads * case.head_dim
+    h = inputs.x.detach().requires_grad_()
+    qs = []
+    for w in inputs.layers:
+        h, layer_qs = stacking.block(h, w, case, attention, tp)
+        qs.append(layer_qs)
+    y = F.layer_norm(h, (hidden,), *inputs.final_ln, eps=1e-5)
+    grads = torch.autograd.grad(y, [q for layer_qs in qs for q in layer_qs], inputs.dy)
+    return [torch.cat(grads[i * tp:(i + 1) * tp], dim=2) for i in range(len(qs))]
+
+
+@pytest.mark.parametrize("fields,tp", [(dict(heads=4, head_dim=16), 1), (dict(heads=4, kv_heads=2, head_dim=16), 2)],
+                         ids=["mha", "gqa-tp2"])
+def test_one_layer_graph_at_a_time_gives_the_whole_graphs_dq_bitwise(fields, tp):
+    """Recomputing each layer from its stored input changes nothing a probe measures: the local baseline's bf16
+    stack and the float64 replica give bitwise the dQ of one graph over the whole stack."""
+    from attn_doctor.backends import BASELINE, build
+    from attn_doctor.core.case import tp_shard
+
+    case = make_case(batch=2, seq=32, seed=3, **fields)
+    inputs = stacking.make_stack(case, 4, torch.device("cpu"), torch.bfloat16)
+    local = stacking.BackendAttention(build(BASELINE), tp_shard(case, tp))
+    for attention, stack in ((local, inputs), (stacking.float64_attention(tp_shard(case, tp)), inputs.to(torch.float64))):
+        got = stacking.stack_dqs(stack, case, attention, tp=tp)
+        want = _whole_graph_dqs(stack, case, attention, tp=tp)
+        assert [g.dtype for g in got] == [w.dtype for w in want] == [stack.x.dtype] * 4
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_the_stack_hands_each_dq_on_last_layer_first_and_holds_one_layer_graph():
+    """`run_stack` hands dQ on as the backward reaches each layer (last first), and while it does, no other
+    layer's activations are alive (a graph over the whole stack would keep every layer's q until its backward)."""
+    import weakref
+
+    case = make_case(batch=1, seq=16, heads=2, head_dim=8, seed=1)
+    inputs = stacking.make_stack(case, 6, torch.device("cpu"), torch.float32)
+    exact = stacking.float64_attention(case)
+    queries: list[weakref.ref] = []
+    order, alive = [], []
+
+    def attention(q, k, v):
+        queries.append(weakref.ref(q))
+        return exact(q.double(), k.double(), v.double()).to(q.dtype)
+
+    def on_dq(index, dq):
+        order.append(index)
+        alive.append(sum(ref() is not None for ref in queries))
+
+    stacking.run_stack(inputs, case, attention, on_dq)
+    assert order == [5, 4, 3, 2, 1, 0]
+    assert len(queries) == 12  # each layer's forward, then again in its backward
+    assert max(alive) <= 1, alive  # at most the layer being differentiated
+
+
 # --- 2 and 7. a correct kernel passes at every depth; the plot --------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -241,7 +298,7 @@ def test_depth_reference_built_once_per_depth_and_shared(correct_depth):
 @pytest.mark.slow
 def test_depth_runs_one_depth_at_a_time_and_computes_each_stack_once():
     from attn_doctor.backends import BackendSpec
-    from attn_doctor.execution.session import Session, depth_steps
+    from attn_doctor.execution.session import Session, turns
     from attn_doctor.probes.plan import plan_depth
 
     case = make_case(batch=1, seq=16, heads=2, head_dim=8, dtype="bf16", mask="causal", seed=3)
@@ -250,7 +307,7 @@ def test_depth_runs_one_depth_at_a_time_and_computes_each_stack_once():
     units = {family: [(0, [i for i, job in enumerate(jobs) if job.backend.family == family])]
              for family in ("local", "sdpa")}
     steps = [(family, [(jobs[i].reference_layers, jobs[i].tp) for i in unit[1]])
-             for family, unit in depth_steps([jobs], units)]
+             for family, unit in turns([jobs], units)]
     assert steps == [("local", [(1, 1), (1, 2)]), ("sdpa", [(1, 1), (1, 2)]),
                      ("local", [(3, 1), (3, 2)]), ("sdpa", [(3, 1), (3, 2)])]
 
@@ -323,10 +380,11 @@ def test_compounding_kernel_first_failing_depth_is_named(compounding_depth):
 
 
 def test_compounding_kernel_counts_backward_calls_per_pass():
-    """The test kernel itself: call n of a backward pass scales the gradients by (1 + DELTA) ** n."""
+    """The test kernel itself: call n of a backward pass scales the gradients by (1 + DELTA) ** n, whether each
+    layer is recomputed before its backward (one forward between two backwards continues the pass) or not; two
+    forwards in a row start a new pass."""
     depth_faults = _load_module(DEPTH_FAULTS)
     correct_fp32 = _load_module(FAULTY).correct_fp32
-    depth_faults.reset()
     q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
 
     def dq_of(fn):
@@ -334,16 +392,21 @@ def test_compounding_kernel_counts_backward_calls_per_pass():
         return torch.autograd.grad(out, q, torch.ones_like(out))[0]
 
     true = dq_of(correct_fp32)
-    for _ in range(2):  # a forward after a backward starts a new count
-        a = depth_faults.compounding_backward(q, k, v, causal=True, softmax_scale=0.5)
-        b = depth_faults.compounding_backward(a, k, v, causal=True, softmax_scale=0.5)
-        (grad_a,) = torch.autograd.grad(b, a, torch.ones_like(b), retain_graph=True)
+    depth_faults.reset()
+    one = dq_of(depth_faults.compounding_backward)
+    assert torch.allclose(one, true * (1 + depth_faults.DELTA), rtol=1e-5, atol=1e-7)
+    compounding = depth_faults.compounding_backward
+    for _ in range(2):  # a forward pass of two layers, then the backward pass, each layer recomputed first
+        a = compounding(q, k, v, causal=True, softmax_scale=0.5)
+        compounding(a.detach(), k, v, causal=True, softmax_scale=0.5)
+        x = a.detach().requires_grad_()
+        b = compounding(x, k, v, causal=True, softmax_scale=0.5)  # layer 2 again
+        (grad_a,) = torch.autograd.grad(b, x, torch.ones_like(b))
         assert depth_faults._state["calls"] == 1
+        a = compounding(q, k, v, causal=True, softmax_scale=0.5)  # layer 1 again
         dq_first = torch.autograd.grad(a, q, grad_a)[0]
         assert depth_faults._state["calls"] == 2
         assert torch.isfinite(dq_first).all()
-    one = dq_of(depth_faults.compounding_backward)
-    assert torch.allclose(one, true * (1 + depth_faults.DELTA), rtol=1e-5, atol=1e-7)
 
 
 # --- 4. tensor parallel: head shards as views and as copies ------------------------------------------------

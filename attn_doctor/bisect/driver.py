@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from attn_doctor.backends import select
 from attn_doctor.bisect.engine import Bisector, BisectResult, Outcome, RunProbe, TensorFailure
 from attn_doctor.core.coords import BackendSpec, Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
+from attn_doctor.execution.budget import MemoryAsk
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.core.processes import check_timeout
 from attn_doctor.execution.session import Session
@@ -31,6 +32,7 @@ class BisectRequest:
     repeats: int = 1
     timeout_s: float = 300.0
     command: str = "attn-doctor bisect"
+    memory: MemoryAsk = field(default_factory=MemoryAsk)  # --max-memory, and what was free at the start
 
     def check(self) -> None:
         if self.repeats < 1:
@@ -226,15 +228,16 @@ def bisect(request: BisectRequest, progress: ProgressSink | None = None) -> Bise
 
     from attn_doctor import __version__
     from attn_doctor.bisect.repro import write_repro
-    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.execution.memory_plan import plan_memory
     from attn_doctor.machine.fingerprint import collect_env
 
     request.check()
     start = request.start
-    check_fits([start.baseline_coords(BASELINE), start], request.device)
+    budget = request.memory.budget(request.device)
+    plan_memory([start.baseline_coords(BASELINE), start], request.device, budget)  # the largest case it probes
     progress = progress or ProgressSink()
     progress.begin(planned_probes(start), f"bisect probes of {start.backend.name}")
-    with Session(request.device, request.timeout_s, progress=progress) as live:
+    with Session(request.device, request.timeout_s, progress=progress, budget=budget) as live:
         session = RecordingSession(live)
         engine = Bisector(session_probe(session, progress), repeats=request.repeats, valid=knobs.valid)
         result = engine.run(start)

@@ -33,7 +33,7 @@ from attn_doctor.core.probe_kinds import rules_for
               help="Where the repro script and the bisect document go (default: beside --from, else "
                    "attn-doctor-results/bisect-<stamp>); `attn-doctor report` takes the folder or the document.")
 @click.pass_obj
-def bisect(app: Application, backends, kernels, cudnn, layouts, device, timeout, tp, layers, from_results,
+def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memory, timeout, tp, layers, from_results,
            row_index, repeats, json_path, out_dir, **case_flags) -> int:
     """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
     standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
@@ -84,7 +84,10 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, timeout,
     if out_dir is None and directory is not None:  # beside --from's results: checked as a given --out is
         check_output(directory, "--out", directory=True)
     directory = out_dir or directory or app.new_run_dir("bisect")
-    request = BisectRequest(start, resolve_device(device), directory, repeats, timeout, app.command_line())
+    from attn_doctor.execution.budget import MemoryAsk
+
+    request = BisectRequest(start, resolve_device(device), directory, repeats, timeout, app.command_line(),
+                            MemoryAsk(max_memory))
     console = app.console
     try:
         report = bisect_workflow(request, app.progress())

@@ -140,6 +140,31 @@ class Shard(click.ParamType):
 SHARD = Shard()
 
 
+class MemorySize(click.ParamType):
+    """`--max-memory 24GiB`: bytes. Binary units (KiB, MiB, GiB, TiB, and K, M, G, T as SLURM's --mem reads them)
+    or decimal ones (KB, MB, GB, TB); a bare number is refused, so that 24 is never read as 24 bytes."""
+
+    name = "size"
+    UNITS = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40,
+             "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        import re
+
+        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", str(value))
+        scale = self.UNITS.get(found.group(2).lower()) if found else None
+        size = float(found.group(1)) * scale if scale else 0.0
+        if not scale or not 1 << 20 <= size <= 1 << 60:
+            raise BadInput(f"{_option_name(param)} {_shown(value)}: expected a size with its unit from 1 MiB, "
+                           "e.g. 24GiB, 48G or 500MiB")
+        return int(size)
+
+
+MEMORY_SIZE = MemorySize()
+
+
 def _option_name(param: click.Parameter | None) -> str:
     """How the user named the parameter: its flag, or an argument's name in capitals (RESULTS)."""
     if param is None:
@@ -303,6 +328,10 @@ def backend_options(fn: Callable) -> Callable:
                      help="Run TE's paths on this cuDNN build (a version `attn-doctor env` lists, or a library "
                           "folder); a list runs each path once per build. What TE loaded is read back per row."),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+        click.option("--max-memory", type=MEMORY_SIZE, metavar="SIZE",
+                     help="Memory all of attn-doctor's processes may use together, e.g. 24GiB: a budget below the "
+                          "card's size behaves like a smaller card (on the CPU: of the RAM). Default: what is free "
+                          "when the command starts, less a margin."),
         click.option("--timeout", type=SECONDS, default=300.0, show_default=True,
                      help=f"Seconds one probe may take before its worker is killed (ERROR row); at most "
                           f"{MAX_TIMEOUT_S:.0f} (a week)."),

@@ -35,7 +35,7 @@ def _span(values: list[int | None]) -> str:
 @repeats_option
 @click.pass_obj
 def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, backends, kernels, cudnn, layouts,
-           device, timeout, out_dir, repeats) -> int:
+           device, max_memory, timeout, out_dir, repeats) -> int:
     """Check every distinct call of a capture on every path against float64: the call's own shapes and values
     (seeded ones when only metadata was captured) on its own views (layout `captured`) and contiguous.
     Identical calls (same API, arguments, shapes, strides, dtypes) are checked once and counted."""
@@ -84,6 +84,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
 
     from attn_doctor.backends import select
     from attn_doctor.cli.sweep import execute
+    from attn_doctor.execution.budget import MemoryAsk
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.workflows import sweep as sweeping
 
@@ -91,5 +92,5 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     directory = out_dir or app.new_run_dir("replay")
     request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
-                                    repeats=repeats, not_judged=unreadable)
+                                    repeats=repeats, not_judged=unreadable, memory=MemoryAsk(max_memory))
     return execute(app, request, "the finished calls are in {log}")

@@ -40,7 +40,7 @@ from attn_doctor.core.layouts import canonical_layouts
 @repeats_option
 @click.pass_obj
 def run(app: Application, json_path: Path | None, profile: bool, wide: bool, nproc: int | None, tp_degree: int,
-        cp_degree: int, cp_comm_type: str, repeats: int, backends, kernels, cudnn, layouts, device, timeout,
+        cp_degree: int, cp_comm_type: str, repeats: int, backends, kernels, cudnn, layouts, device, max_memory, timeout,
         **case_flags) -> int:
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.machine.devices import check_device_name
@@ -49,6 +49,13 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     check_device_name(device)
     if given("cp_comm_type") and cp_degree == 1:
         refuse_ignored("--cp-comm-type", "with context parallelism", "add --cp N --nproc N, or drop --cp-comm-type")
+    if nproc is not None and max_memory is not None:
+        refuse_ignored("--max-memory", "to probes in this process's workers (torchrun's ranks hold what they need)",
+                       "drop --max-memory or --nproc")
+    from attn_doctor.execution.budget import MemoryAsk
+    from attn_doctor.machine.memory import read_free
+
+    memory = MemoryAsk(max_memory, read_free(device))  # before any process of ours holds memory
     if nproc is None:
         from attn_doctor.execution.pool import prestart_te
 
@@ -62,7 +69,7 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     out_path = json_path or app.new_run_dir("run", "--json") / "results.json"
     request = RunRequest(case, specs, canonical_layouts(layouts), resolve_device(device), app.command_line(), timeout,
                          tp=tp_degree, cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc,
-                         layouts_given=bool(layouts), repeats=repeats)
+                         layouts_given=bool(layouts), repeats=repeats, memory=memory)
     request = sized_for_cpu(request, given_case_fields(case_flags))
     for note in request.notes:
         app.console.print(note, soft_wrap=True)  # one line in a pipe or a log too

@@ -36,8 +36,8 @@ from attn_doctor.core.layouts import canonical_layouts
                    "1 on the CPU; not with --layers: a depth sweep runs one worker at a time]")
 @repeats_option
 @click.pass_obj
-def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, resume, out_dir, shard, workers,
-          repeats, **grid_flags) -> int:
+def sweep(app: Application, backends, kernels, cudnn, layouts, device, max_memory, timeout, resume, out_dir, shard,
+          workers, repeats, **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
     from attn_doctor.machine.devices import check_device_name
 
@@ -51,8 +51,11 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, 
                        "its stacks are tens of GiB)", "drop --workers")
     if resume is not None and out_dir is not None and resume != out_dir:
         raise BadInput("give either --resume DIR or --out DIR, not both")
+    from attn_doctor.execution.budget import MemoryAsk
     from attn_doctor.execution.pool import prestart_te
+    from attn_doctor.machine.memory import read_free
 
+    memory = MemoryAsk(max_memory, read_free(device))  # before any process of ours holds memory
     prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
@@ -70,7 +73,7 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, timeout, 
                                     resolve_device(device), directory,
                                     resume=resume is not None, depths=depths, degrees=degrees, workers=workers,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
-                                    repeats=repeats, shard=shard)
+                                    repeats=repeats, shard=shard, memory=memory)
     return execute(app, request, "the finished points are in {log}; continue with --resume {directory}")
 
 

@@ -37,7 +37,7 @@ def _object(properties: dict[str, Any], required: tuple[str, ...] = (), nullable
 
 # -- results (`attn_doctor.results`) --
 
-VERDICTS = ("PASS", "FAIL", "SKIP", "ERROR", "INCONCLUSIVE", "")
+VERDICTS = ("PASS", "FAIL", "SKIP", "ERROR", "INCONCLUSIVE", "TOO-BIG", "")
 
 ROW = _object({
     "backend": TEXT, "family": TEXT, "layout": TEXT, "ran": TEXT, "verdict": {"enum": list(VERDICTS)},
@@ -49,7 +49,7 @@ _RUN_FIELDS = {
     "format": {"const": "attn-doctor/results"}, "format_version": WHOLE, "tool_version": TEXT, "created": TEXT,
     "command": TEXT, "device": TEXT, "env": {"type": ["object", "null"]}, "summary": TEXT, "faulty": {"type": "array"},
     "seconds": SECONDS, "artifacts": {"type": "object", "additionalProperties": TEXT}, "requested": TEXTS,
-    "interrupted": FLAG, "notes": TEXTS, "not_judged": TEXTS,
+    "interrupted": FLAG, "notes": TEXTS, "not_judged": TEXTS, "memory": {"type": ["object", "null"]},
 }
 
 RESULTS = _object({**_RUN_FIELDS, "results": {"type": "array", "items": ROW}}, required=("format", "results"))

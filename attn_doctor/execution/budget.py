@@ -1,204 +1,82 @@
-"""Memory, before anything starts: what a request's probes need at their peak, against what the device
-has free, and a refusal that says how much would be needed and what would fit.
-
-The estimate adds the float64 references the parent keeps (`reference_bytes`; a depth stack's per-layer dQ)
-to the larger of computing one (its tiles; a depth stack's float64 replica) and what the workers hold at once:
-per backend family the largest probe one worker runs (its inputs, the layout's buffers, outputs and gradients,
-with --repeats the copy of the first repeat's, the comparison's chunks and the path's own working memory,
-`Backend.memory`: a path that materialises the scores grows with seq x seq_kv; the local baseline always runs,
-and always does). Families run concurrently, so their peaks add up, but depth stacks run one family at a
-time. On a GPU the parent and the workers share the one device, on the CPU the machine's RAM.
-It is an estimate of the large allocations, not of the allocator's slack: it refuses what cannot fit, so
-that a request too large fails in a second with a reason instead of after minutes, blaming a kernel.
-"""
+"""The memory budget: bytes all of a command's processes may hold together. --max-memory where given, else what
+was free where the probes run when the command started, less a margin (`MARGIN_FRACTION`, `MARGIN_MIN`): beside a
+training job that holds most of a card, the job's memory is not ours. How a request runs within it is
+`attn_doctor.execution.memory_plan`'s. Nothing here imports torch: a command reads what is free before it starts
+any process (`MemoryAsk`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
-from attn_doctor import backends
-from attn_doctor.core.case import DTYPE_BYTES, Case, tp_shard
-from attn_doctor.core.coords import Coords, ProbeKind
-from attn_doctor.core.errors import BadInput
-from attn_doctor.numerics.metrics import CHUNK_ELEMENTS
+from attn_doctor.machine.memory import MemoryReading, read_free
 
 GIB = 1 << 30
+MIB = 1 << 20
+
+# Left of what is free when attn-doctor starts, for what it does not plan (its own host process's growth, another
+# job's next allocation): the larger of these.
+MARGIN_FRACTION, MARGIN_MIN = 0.05, 512 * MIB
 
 
-@dataclass
-class Need:
-    total: int
-    parts: dict[str, int] = field(default_factory=dict)  # what needs it -> bytes, for the refusal's message
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes all of a command's processes may hold together, where, and how that was decided."""
+
+    bytes: int
+    where: str  # "cuda:0", "RAM"
+    source: str  # "--max-memory 24.0 GiB" or "75.2 GiB free on cuda:0 at the start, less a margin"
+    device_total: int | None = None  # the card's size (caps are fractions of it); None for the RAM
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.where.startswith("cuda")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
-def _elements(case: Case) -> tuple[int, int]:
-    return case.batch * case.seq * case.heads * case.head_dim, case.batch * case.seq_kv * case.kv_heads * case.head_dim
+def resolve_budget(reading: MemoryReading | None, max_memory: int | None) -> MemoryBudget | None:
+    """The budget from --max-memory (`max_memory`, bytes) and what was free at the start (`reading`); None where
+    neither is known (nothing is then planned against). A --max-memory above what is free is held to what is free:
+    memory another process holds cannot be ours."""
+    if reading is None:
+        if max_memory is None:
+            return None
+        return MemoryBudget(max_memory, "the device", f"--max-memory {size(max_memory)}")
+    total = reading.total if reading.on_gpu else None
+    usable = max(0, reading.free - max(MARGIN_MIN, int(reading.free * MARGIN_FRACTION)))
+    if max_memory is None:
+        return MemoryBudget(usable, reading.where, f"{size(reading.free)} free {_on(reading)} at the start, less a "
+                                                   "margin", total)
+    if max_memory > usable:
+        return MemoryBudget(usable, reading.where, f"--max-memory {size(max_memory)}, held to the "
+                                                   f"{size(usable)} free {_on(reading)} less a margin", total)
+    return MemoryBudget(max_memory, reading.where, f"--max-memory {size(max_memory)}", total)
 
 
-def _call_bytes(coords: Coords, case: Case, repeats: int = 1) -> tuple[int, int]:
-    """(tensors, path): one call's inputs, layout buffers, outputs, gradients and comparison; the path's own.
-    A call repeated (--repeats) keeps a copy of its first repeat's outputs and gradients to compare with."""
-    item = DTYPE_BYTES[case.dtype]
-    q, kv = _elements(case)
-    views = 2 if coords.layout == "head_slice" else 1  # the head_slice layout's wider buffers
-    tensors = (2 * q + 2 * kv) * item * 3 + (q + 2 * kv) * item * (views - 1) + min(max(q, kv), CHUNK_ELEMENTS) * 8 * 5
-    if repeats > 1 and coords.kind_rules.repeats:
-        tensors += (2 * q + 2 * kv) * item
-    path = backends.memory(coords.backend, case)
-    return tensors, path.saved + path.transient
+def _on(reading: MemoryReading) -> str:
+    return f"on {reading.where}" if reading.on_gpu else "in RAM"
 
 
-def _reference(case: Case, device: str) -> tuple[int, int]:
-    import torch
+@dataclass(frozen=True)
+class MemoryAsk:
+    """What a command was given for its memory: --max-memory (bytes; None: not given) and what was free when it
+    started, read before any process of attn-doctor's held memory (None: read when the plan is made)."""
 
-    from attn_doctor.numerics.reference import reference_bytes
+    max_memory: int | None = None
+    free_at_start: MemoryReading | None = None
 
-    return reference_bytes(case.batch, case.seq, case.seq_kv, case.heads, case.kv_heads, case.head_dim,
-                           torch.device(device.split(":")[0]))
-
-
-def probe_need(coords: Coords, repeats: int = 1) -> tuple[int, int]:
-    """(tensors, path) bytes one worker needs at the probe's peak (`repeats`: --repeats, which only single
-    calls honour)."""
-    from attn_doctor.probes.stack import stack_bytes
-
-    case = coords.case
-    tensors, path = _call_bytes(coords, case, repeats)
-    if coords.kind is ProbeKind.TP:
-        return tensors * 2, path  # the unsharded run is kept while the shards run
-    if coords.kind is ProbeKind.DEPTH:
-        item = DTYPE_BYTES[case.dtype]
-        saved = backends.memory(coords.backend, tp_shard(case, coords.tp)).saved * coords.tp
-        local = backends.memory(backends.BASELINE, case).saved
-        # The baseline's stack ran first in this worker; its per-layer dQ stays while the backend's runs.
-        stack = max(stack_bytes(case, coords.layers, item, saved), stack_bytes(case, coords.layers, item, local))
-        return stack + coords.layers * _elements(case)[0] * item, path
-    return tensors, path
-
-
-def parent_need(coords: Coords, device: str) -> tuple[int, int]:
-    """(kept, scratch): bytes of the float64 reference the parent holds while the probe runs, and the peak
-    of computing it (freed before the workers use it)."""
-    from attn_doctor.probes.stack import stack_bytes
-
-    case = coords.case
-    if coords.kind is ProbeKind.DEPTH:
-        q, kv = _elements(case)
-        saved = (2 * q + 2 * kv + case.batch * case.heads * case.seq) * 8  # what float64 attention keeps per layer
-        return coords.layers * q * 8, stack_bytes(case, coords.layers, 8, saved) + sum(_reference(case, device))
-    return _reference(case, device)
-
-
-def estimate(coords_list: list[Coords], device: str, workers_per_family: int = 1, repeats: int = 1) -> Need:
-    """The peak of running these probes: the references the parent keeps, plus the larger of computing one
-    and what the workers hold at once. Families run concurrently (their largest probes add up, times the
-    workers of a family); depth stacks run one family at a time (the largest stack counts). With `repeats`
-    (--repeats) > 1 a single call also keeps its first repeat's outputs and gradients."""
-    parts: dict[str, int] = {}
-    per_family: dict[str, list[Coords]] = defaultdict(list)
-    references: dict[tuple, tuple[int, int]] = {}
-    for coords in coords_list:
-        per_family[coords.backend.family].append(coords)
-        key = (coords.case.key(), coords.reference_layers)
-        if key not in references:
-            references[key] = parent_need(coords, device)
-    depth = any(c.kind is ProbeKind.DEPTH for c in coords_list)
-    concurrent = 1 if depth else max(1, workers_per_family)
-    kept = sum(sorted((k for k, _ in references.values()), reverse=True)[:concurrent])
-    scratch = max(s for _, s in references.values())
-    workers: dict[str, int] = {}
-    for family, family_coords in per_family.items():
-        tensors, path, name = max((*probe_need(c, repeats), c.backend.name) for c in family_coords)
-        if path > tensors:
-            workers[f"{name}'s working memory (its scores)"] = path * concurrent
-            workers[f"the {family} worker's tensors"] = tensors * concurrent
-        else:
-            workers[f"the {family} worker's tensors"] = (tensors + path) * concurrent
-    at_once = max(workers.values()) if depth else sum(workers.values())
-    parts["the float64 reference"] = kept + (scratch if scratch > at_once else 0)
-    if at_once >= scratch:
-        parts.update(sorted(workers.items(), key=lambda item: -item[1])[:1] if depth else workers)
-    return Need(kept + max(scratch, at_once), parts)
-
-
-def available_bytes(device: str) -> tuple[int | None, str]:
-    """Bytes free where the probes will run, and how to say where; (None, "") when it cannot be known."""
-    if device.startswith("cuda"):
-        try:
-            import torch
-
-            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-            free, _total = torch.cuda.mem_get_info(index)
-            return int(free), f"free on {device}"
-        except Exception:  # noqa: BLE001 - no estimate is better than a wrong refusal
-            return None, ""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "of RAM available"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import os
-
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of RAM free"
-    except (ValueError, OSError, AttributeError):
-        return None, ""
+    def budget(self, device: str) -> MemoryBudget | None:
+        """The budget of a command running on `device` (resolved: "cpu", "cuda", "cuda:N")."""
+        reading = self.free_at_start
+        if reading is None or reading.on_gpu != device.startswith("cuda"):
+            reading = read_free(device)
+        return resolve_budget(reading, self.max_memory)
 
 
 def size(n: float) -> str:
-    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20)):
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", GIB), ("MiB", MIB)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n / 1024:.1f} KiB"
-
-
-def _with_seq(coords: Coords, seq: int) -> Coords:
-    """The same probe on a case whose sequence is `seq` (the key/value length scaled with it)."""
-    case = coords.case
-    seq_kv = seq if case.seq_kv == case.seq else max(1, round(case.seq_kv * seq / case.seq))
-    return coords.replace(case=dataclasses.replace(case, seq=seq, seq_kv=seq_kv))
-
-
-def largest_seq(coords_list: list[Coords], device: str, workers_per_family: int, available: int,
-                repeats: int = 1) -> int:
-    """The largest seq (the others as given) whose estimate fits `available`; 0 when not even 1 does."""
-    def fits(seq: int) -> bool:
-        return estimate([_with_seq(c, seq) for c in coords_list], device, workers_per_family,
-                        repeats).total <= available
-
-    longest = max(c.case.seq for c in coords_list)
-    lo, hi = 0, longest
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def check_fits(coords_list: list[Coords], device: str, workers_per_family: int = 1,
-               available: tuple[int | None, str] | None = None, repeats: int = 1) -> None:
-    """BadInput, before any work, when the probes' estimate exceeds the memory free on the device."""
-    if not coords_list:
-        return
-    free, where = available if available is not None else available_bytes(device)
-    if free is None:
-        return
-    need = estimate(coords_list, device, workers_per_family, repeats)
-    if need.total <= free:
-        return
-    worst = sorted(need.parts.items(), key=lambda item: -item[1])[:2]
-    why = ", ".join(f"{what} {size(n)}" for what, n in worst)
-    cases = {c.case.key(): c.case for c in coords_list}
-    biggest = max(cases.values(), key=lambda case: estimate([c for c in coords_list if c.case == case], device,
-                                                            workers_per_family, repeats).total)
-    fit = largest_seq([c for c in coords_list if c.case == biggest], device, workers_per_family, free, repeats)
-    hint = (f"at batch {biggest.batch}, {biggest.heads} heads, head dim {biggest.head_dim}, the longest --seq that "
-            f"fits is about {fit}" if fit else "not even seq 1 fits: lower --batch or --heads")
-    raise BadInput(f"{biggest.short()} needs about {size(need.total)} of memory ({why}), but {size(free)} {where}; "
-                   f"{hint}")

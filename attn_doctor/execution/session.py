@@ -2,10 +2,16 @@
 
 One pool of workers per backend family (`workers_per_family` each: a sweep may ask for more than one).
 Families, and the workers of a family, run concurrently; a family's probes go to its workers one (group,
-case) at a time, so a worker builds each case's inputs and maps its shared reference once. Depth stacks
-are too large for that: a depth run takes one depth at a time, the families in turn, one worker each.
-Each case's float64 reference (a depth stack's too) is computed once, here in the parent, and mapped by
-the workers (`shared_reference`). Probes that cannot run here are SKIP rows without starting anything.
+case) at a time, so a worker builds each case's inputs and maps its shared reference once. Each case's float64
+reference (a depth stack's too) is computed once, here in the parent, and mapped by the workers
+(`shared_reference`). Probes that cannot run here are SKIP rows without starting anything.
+
+Memory: each call of `run_groups` runs by the plan `attn_doctor.execution.budget.plan_memory` makes for its probes
+within the session's budget: as many workers per family as fit, else the families taking turns (a depth run always
+does: one depth at a time, the families in turn, one worker each), each process's allocator held to its share. A
+probe that runs out of memory all the same is put aside and retried once everything else is done, alone (every
+other worker closed, its cap the whole budget less the processes' fixed parts); if it still does not fit, its row
+says so (TOO-BIG: "does not fit in N GiB (needs about M GiB)"), neither a kernel's fault nor attn-doctor's.
 
 Ctrl-C (KeyboardInterrupt in the calling thread) kills every worker at once and starts nothing more: the
 groups already judged stay judged (and already handed to `on_group`), and the KeyboardInterrupt carries
@@ -21,14 +27,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_doctor.backends import BASELINE, BackendSpec, process_of
-from attn_doctor.core.coords import Coords, ProbeKind
+from attn_doctor.core.coords import Coords
+from attn_doctor.execution.budget import MemoryBudget, size
+from attn_doctor.execution.memory_plan import MemoryPlan, plan_memory, probe_need
 from attn_doctor.execution.pool import Worker
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.numerics.metrics import TensorMetrics
 from attn_doctor.probes.plan import static_skip
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.judge import judge
-from attn_doctor.verdict.rule import ERROR, SKIP
+from attn_doctor.verdict.rule import ERROR, SKIP, TOO_BIG
 
 DEFAULT_TIMEOUT_S = 300.0
 INTERNAL = "attn-doctor internal error (not the kernel's)"
@@ -71,6 +79,19 @@ def skipped_row(coords: Coords, reason: str) -> Row:
     return Row(coords=coords, verdict=SKIP, reason=reason)
 
 
+def too_big_row(coords: Coords, room: int | None, where: str, needs: int, reply: dict) -> Row:
+    """A probe that ran out of memory alone: it does not fit here. `room`: the bytes it had, all processes together
+    (None: the device's, whatever they were); `needs`: about what it needs, counted the same way. Where that is no
+    more than it had, its own allocation was larger than planned, and the row says so with torch's words."""
+    within = f"in {size(room)}" if room is not None else f"in the memory of {where}"
+    if room is not None and needs <= room:
+        reason = (f"does not fit {within}, though planned at about {size(needs)}: it asked for more than planned "
+                  f"({reply.get('reason', 'out of memory')})")
+    else:
+        reason = f"does not fit {within} (needs about {size(needs)})"
+    return Row(coords=coords, verdict=TOO_BIG, reason=reason, detail=reply.get("reason", ""))
+
+
 @dataclass
 class _Batch:
     """Groups of coordinates being run: rows arrive in any order, each group is judged once complete."""
@@ -82,6 +103,9 @@ class _Batch:
     results: list[dict[int, Row]] = field(init=False)
     judged: list[list[Row] | None] = field(init=False)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # probes that ran out of memory, to retry alone: (group, index, the reply)
+    deferred: list[tuple[int, int, dict]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.results = [{} for _ in self.groups]
@@ -118,7 +142,7 @@ class Session:
     """Worker processes kept across groups of probes (a sweep's points, a bisect's steps)."""
 
     def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int = 1,
-                 progress: ProgressSink | None = None, repeats: int = 1):
+                 progress: ProgressSink | None = None, repeats: int = 1, budget: MemoryBudget | None = None):
         from attn_doctor.execution.shared_reference import ReferenceStore
 
         self.device = device
@@ -126,6 +150,8 @@ class Session:
         self.workers_per_family = max(1, workers_per_family)
         self.repeats = repeats  # runs of each CALL probe (--repeats); the other kinds run once
         self.progress = progress or ProgressSink()
+        self.budget = budget  # for all processes together (None: not known here, nothing held to it)
+        self.plan: MemoryPlan | None = None  # the last `run_groups`' plan
         self.workers: dict[str, list[Worker]] = {}
         self.references = ReferenceStore(device, on_progress=self.progress.note)
 
@@ -171,21 +197,39 @@ class Session:
         callbacks run one at a time. Returns each group's judged rows, in order."""
         batch = _Batch(groups, on_row, on_group)
         units = self._assign(batch)
-        depth = any(c.kind is ProbeKind.DEPTH for coords in groups for c in coords)
-        # Depth stacks hold tens of GiB each on the GPU: those run one family, one worker at a time.
-        per_family = 1 if depth else self.workers_per_family
-        starting = {process: min(per_family, len(family_units)) for process, family_units in units.items()}
+        runnable = [batch.groups[g][i] for family_units in units.values() for g, indices in family_units for i in indices]
+        plan = self.plan = plan_memory(runnable, self.device, self.budget, self.workers_per_family, self.repeats)
+        self.references.max_live = plan.live_references
+        self._hold_parent(plan)
+        starting = {process: min(plan.workers.get(process, 1), len(family_units))
+                    for process, family_units in units.items()}
         threads = cpu_threads(self.device, sum(starting.values()))
         for process, family_units in units.items():
             pool = self.workers.setdefault(process, [])
             spec = batch.groups[family_units[0][0]][family_units[0][1][0]].backend
             while len(pool) < starting[process]:
                 pool.append(Worker(spec.family, self.device, self.timeout_s, {**process_of(spec)[1], **threads}))
-        if depth:
-            self._wait(batch, [lambda: self._serve_depth(batch, units)])
+        if plan.serial:
+            self._wait(batch, [lambda: self._serve_in_turn(batch, units)])
         else:
-            self._wait(batch, [lambda f=family: self._serve_family(batch, units[f], per_family, f) for family in units])
+            self._wait(batch, [lambda f=f: self._serve_family(batch, units[f], starting[f], f) for f in units])
+        if batch.deferred:
+            self._wait(batch, [lambda: self._retry_alone(batch)])
+        if self.device.startswith("cuda"):
+            import torch
+
+            plan.parent_peak = torch.cuda.max_memory_reserved(torch.device(self.device))
         return [rows if rows is not None else [] for rows in batch.judged]
+
+    def _hold_parent(self, plan: MemoryPlan) -> None:
+        """Hold this process's allocator (the float64 references) to its share of the budget."""
+        if plan.budget is None or not self.device.startswith("cuda"):
+            return
+        import torch
+
+        device = torch.device(self.device)
+        total = torch.cuda.get_device_properties(device).total_memory  # what torch's fraction is of
+        torch.cuda.set_per_process_memory_fraction(min(1.0, plan.parent_cap / total), device)
 
     # -- planning --
 
@@ -214,18 +258,63 @@ class Session:
         thread.start()
         return thread
 
-    def _probe(self, batch: _Batch, worker: Worker, group: int, index: int, starting: threading.Thread) -> None:
+    def _probe(self, batch: _Batch, worker: Worker, group: int, index: int, starting: threading.Thread,
+               alone: bool = False) -> None:
         coords = batch.groups[group][index]
         spec: BackendSpec = coords.backend
-        message = {"op": "run", "coords": coords.to_dict(),
-                   "reference": self.references.handle(coords.case, coords.reference_layers),
-                   "repeats": repeats_of(coords, self.repeats)}
+        key = process_of(spec)[0]
+        reference = self.references.handle(coords.case, coords.reference_layers)
+        room = self._room(key, alone)
+        message = {"op": "run", "coords": coords.to_dict(), "reference": reference,
+                   "repeats": repeats_of(coords, self.repeats), "memory_cap": room}
         starting.join()
         try:
             reply = worker.request(message, on_progress=lambda text: self.progress.note(f"{spec.name}: {text}"))
         finally:
             self.references.done(coords.case, coords.reference_layers)
-        batch.finish(group, index, row_from_reply(coords, reply))
+        if reply.get("status") != "oom":
+            batch.finish(group, index, row_from_reply(coords, reply))
+        elif not alone:
+            with batch.lock:
+                batch.deferred.append((group, index, reply))
+        else:
+            batch.finish(group, index, self._too_big(coords, key, reply))
+
+    def _room(self, key: str, alone: bool) -> int | None:
+        """The allocator cap of a worker of process `key` for its next job: its share of the plan, or alone the
+        whole budget less the processes' fixed parts and the references kept. None: no cap."""
+        plan = self.plan
+        if plan is None or plan.budget is None or not self.device.startswith("cuda"):
+            return None
+        if alone:
+            return plan.alone_cap(key, self.references.kept_bytes())
+        return plan.worker_caps.get(key)
+
+    def _too_big(self, coords: Coords, key: str, reply: dict) -> Row:
+        """The row of a probe that ran out of memory alone, with about what it needs: the plan's estimate of it, or
+        what its worker held when it failed and the allocation that failed, if more."""
+        plan = self.plan
+        fixed = plan.fixed.get("parent", 0) + plan.fixed.get(key, 0) if plan else 0
+        planned = probe_need(coords, self.device, repeats_of(coords, self.repeats))
+        held = int(reply.get("reserved", 0)) + int(reply.get("tried", 0))
+        needs = fixed + self.references.kept_bytes() + max(planned, held)
+        room = plan.budget.bytes if plan and plan.budget else None
+        return too_big_row(coords, room, self.device, needs, reply)
+
+    def _retry_alone(self, batch: _Batch) -> None:
+        """Each probe that ran out of memory, again, with every other worker closed and the whole budget."""
+        for group, index, _ in sorted(batch.deferred):
+            if batch.stopped.is_set():
+                return
+            coords = batch.groups[group][index]
+            key = process_of(coords.backend)[0]
+            for other_key, pool in self.workers.items():
+                for number, worker in enumerate(pool):
+                    if other_key != key or number > 0:
+                        worker.close()
+            self.references.expect(coords.case, coords.reference_layers)
+            self.progress.note(f"{coords.backend.name}: ran out of memory beside the others; again alone")
+            self._probe(batch, self.workers[key][0], group, index, self._start(self.workers[key][0]), alone=True)
 
     def _serve(self, batch: _Batch, worker: Worker, todo: queue.Queue,
                starting: threading.Thread | None = None) -> None:
@@ -240,18 +329,18 @@ class Session:
                     return
                 self._probe(batch, worker, group, index, starting)
 
-    def _serve_family(self, batch: _Batch, family_units: list, per_family: int, family: str) -> None:
+    def _serve_family(self, batch: _Batch, family_units: list, at_once: int, family: str) -> None:
         todo: queue.Queue = queue.Queue()
         for unit in family_units:
             todo.put(unit)
-        threads = [_Thread(self._serve, batch, worker, todo) for worker in self.workers[family][:per_family]]
+        threads = [_Thread(self._serve, batch, worker, todo) for worker in self.workers[family][:at_once]]
         for thread in threads:
             thread.join_and_raise()
 
-    def _serve_depth(self, batch: _Batch, units: dict[str, list[tuple[int, list[int]]]]) -> None:
-        # One stack reference at a time: every family measures a depth before the next depth is built.
+    def _serve_in_turn(self, batch: _Batch, units: dict[str, list[tuple[int, list[int]]]]) -> None:
+        # One reference at a time: every family measures a case (a depth) before the next one is built.
         starting = {family: self._start(self.workers[family][0]) for family in units}
-        for family, unit in depth_steps(batch.groups, units):
+        for family, unit in turns(batch.groups, units):
             todo: queue.Queue = queue.Queue()
             todo.put(unit)
             self._serve(batch, self.workers[family][0], todo, starting[family])
@@ -295,9 +384,9 @@ class _Thread(threading.Thread):
             raise self._error
 
 
-def depth_steps(groups: list[list[Coords]], units: dict[str, list[tuple[int, list[int]]]]
-                ) -> list[tuple[str, tuple[int, list[int]]]]:
-    """A depth run's order: per group and depth, each family's probes at that depth, families in turn."""
+def turns(groups: list[list[Coords]], units: dict[str, list[tuple[int, list[int]]]]
+          ) -> list[tuple[str, tuple[int, list[int]]]]:
+    """The order when families take turns: per group (and depth), each family's probes on it, families in turn."""
     steps = []
     for group, coords_list in enumerate(groups):
         for layers in dict.fromkeys(c.reference_layers for c in coords_list):

@@ -11,6 +11,12 @@ gives back when it frees what it opened: so every job gets a handle of its own, 
 handle it receives, also when it already has the case (torch then gives the count back at once). The parent
 keeps the tensors alive until the last job of the case has finished. Where sharing fails, the handle is
 None and the worker computes the reference itself, as it would without a parent.
+
+Memory (`attn_doctor.execution.budget`): references are computed one at a time, and at most `max_live` are kept at
+once: a job that would open another waits until an older one's last job has finished. That bounds what the parent
+holds when families run at different speeds (the fastest would otherwise open case after case). It cannot wait
+forever: the oldest kept reference's remaining jobs are each some family's next unit or already running, and
+need no new reference.
 """
 
 from __future__ import annotations
@@ -31,13 +37,18 @@ from attn_doctor.core.errors import first_line
 class ReferenceStore:
     """Parent side: computes each case's reference on first request and counts the jobs still using it."""
 
-    def __init__(self, device: str, on_progress: Callable[[str], None] | None = None):
+    def __init__(self, device: str, on_progress: Callable[[str], None] | None = None, max_live: int | None = None):
         self.device = device
+        self.max_live = max_live  # references kept at once (None: no bound)
         self.on_progress = on_progress  # told as a depth stack's float64 replica advances
         self.seconds = 0.0  # computing references, summed
         self.computed = 0
         self.failure: str | None = None  # the last reason sharing fell back to the workers
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # told when a kept reference is freed
+        self._computing = threading.Lock()  # one computation at a time: its scratch is counted once
+        self._live = 0  # references computed and not yet freed
+        self._closed = False
         self._entries: dict[tuple, _Entry] = {}
         if device == "cpu":
             _start_shm_manager()
@@ -52,9 +63,12 @@ class ReferenceStore:
         None where the reference could not be computed or shared here."""
         with self._lock:
             entry = self._entries.setdefault((case.key(), layers), _Entry())
-        with entry.lock:  # one computation per reference; other references proceed in parallel
+        with entry.lock:  # one computation per reference
             if not entry.ready:
-                entry.tensors = self._compute_timed(case, layers)
+                self._admit()
+                entry.live = True
+                with self._computing:
+                    entry.tensors = self._compute_timed(case, layers)
                 entry.ready = True
             if entry.tensors is None:
                 return None
@@ -75,13 +89,33 @@ class ReferenceStore:
             if entry.pending > 0:
                 return
             del self._entries[key]
+            if entry.live:
+                self._live -= 1
+                self._room.notify_all()
         entry.tensors = None
         self._release_cached_memory()
 
+    def kept_bytes(self) -> int:
+        """Bytes of the references kept now."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return sum(t.numel() * t.element_size() for entry in entries if entry.tensors is not None
+                   for t in entry.tensors if t is not None)
+
+    def _admit(self) -> None:
+        """Wait until one more reference may be kept (`max_live`); interruptible by `clear`."""
+        with self._room:
+            while self.max_live is not None and self._live >= self.max_live and not self._closed:
+                self._room.wait(0.5)
+            self._live += 1
+
     def clear(self) -> None:
-        """Forget every case (the session is over; workers have exited)."""
+        """Forget every case (the session is over; workers have exited); release any job waiting for room."""
         with self._lock:
             self._entries.clear()
+            self._live = 0
+            self._closed = True
+            self._room.notify_all()
 
     def _compute_timed(self, case: Case, layers: int | None) -> tuple[torch.Tensor, ...] | None:
         try:
@@ -128,6 +162,7 @@ class _Entry:
         self.lock = threading.Lock()
         self.pending = 0
         self.ready = False
+        self.live = False  # counted among the kept references
         self.tensors: tuple | None = None
 
 

@@ -9,13 +9,18 @@ error may leave the context unusable, so after one the worker replies with "fata
 parent starts a new one.
 
 Errors are attributed: what the kernel under test raised is an "error" reply naming the kernel; anything
-else that fails here is attn-doctor's own ("internal": true), never blamed on the kernel.
+else that fails here is attn-doctor's own ("internal": true), never blamed on the kernel. Running out of memory is
+neither: an "oom" reply, with what the allocator held and the allocation that failed, after which the worker
+frees what it keeps (the parent retries the probe alone). A job's "memory_cap" (bytes) holds this process's
+allocator to its share of the budget (torch's per-process memory fraction) for that job; on a GPU the reply's
+extra says what the allocator reserved at the probe's peak ("allocator_peak_bytes").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -47,7 +52,7 @@ def main(argv: list[str]) -> int:
 
     from attn_doctor.backends import Unsupported, build
     from attn_doctor.core.coords import Coords
-    from attn_doctor.core.errors import KernelError, first_line, is_cuda_fault, kernel_code
+    from attn_doctor.core.errors import InternalError, KernelError, first_line, is_cuda_fault, is_out_of_memory, kernel_code
     from attn_doctor.execution.shared_reference import open_tensors
     from attn_doctor.probes import Caches, run_probe
     from attn_doctor.tracing.replay_source import source_of
@@ -69,6 +74,9 @@ def main(argv: list[str]) -> int:
         # it opened is freed (see shared_reference). The caches keep what they use; the rest is freed after the job.
         caches.share(open_tensors(request.get("reference")))
         try:
+            hold_to(request.get("memory_cap"), device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             coords = Coords.from_dict(request["coords"])
             spec = coords.backend
             if spec.name not in backends:
@@ -84,9 +92,17 @@ def main(argv: list[str]) -> int:
             outcome = run_probe(backend, coords, caches,
                                 progress=lambda text: reply({"id": job_id, "progress": text}),
                                 repeats=request.get("repeats", 1))
+            if device.type == "cuda":  # what the probe held at its peak: the plan's estimate of it, measured
+                outcome.extra["allocator_peak_bytes"] = torch.cuda.max_memory_reserved(device)
             reply({"id": job_id, **outcome.to_dict()})
         except Exception as exc:  # noqa: BLE001 - a failing kernel is an ERROR row, never a dead tool
-            cause = exc.cause if isinstance(exc, KernelError) else exc
+            cause = exc.cause if isinstance(exc, (KernelError, InternalError)) else exc
+            if is_out_of_memory(cause):
+                reply({"id": job_id, "status": "oom", "reason": first_line(cause), **held_memory(cause, device)})
+                del exc, cause
+                caches.clear()
+                free_memory(device)
+                continue
             fatal = is_cuda_fault(cause)
             internal = not isinstance(exc, KernelError) and not fatal
             reply({
@@ -102,6 +118,48 @@ def main(argv: list[str]) -> int:
         finally:
             caches.share(None)
     return 0
+
+
+_cap: list = [None]  # the cap this process's allocator is held to now
+
+
+def hold_to(cap: int | None, device) -> None:
+    """Hold this process's CUDA allocator to `cap` bytes (None: the whole card), as torch's per-process memory
+    fraction does: an allocation beyond it frees cached blocks, then raises OutOfMemoryError."""
+    if device.type != "cuda" or cap == _cap[0]:
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), device)
+    _cap[0] = cap
+
+
+_TRIED = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
+_UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def held_memory(cause: BaseException, device) -> dict:
+    """The allocation that failed ("tried", as torch's message says) and on a GPU what the allocator held when it
+    ran out ("reserved", its peak "max_reserved")."""
+    found = _TRIED.search(str(cause))
+    held = {"tried": int(float(found.group(1)) * _UNIT[found.group(2)]) if found else 0}
+    if device.type == "cuda":
+        import torch
+
+        held.update(reserved=torch.cuda.memory_reserved(device), max_reserved=torch.cuda.max_memory_reserved(device))
+    return held
+
+
+def free_memory(device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What a worker keeps between jobs: the most recent case's inputs and float64 reference, and the most
-recent depth stack's reference and baseline (jobs arrive grouped by case). A reference is normally the
+recent depth stack's reference and baseline measurements (jobs arrive grouped by case). A reference is normally the
 parent's, mapped from the handle the job carried (see `attn_doctor.execution.shared_reference`), else
 computed here."""
 
@@ -115,22 +115,24 @@ class CaseCache:
 
 class DepthCache:
     """Per (case, layers): the float64 replica's dQ at every layer (the parent's shared copy when the job
-    carries a handle, else computed here) and the local baseline's stack, computed here."""
+    carries a handle, else computed here) and the local baseline's stack measured against it, computed here:
+    its per-layer comparisons and its first and last layer's dQ (`attn_doctor.probes.stack.LayerErrors`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._key: tuple | None = None
         self.reference: list[torch.Tensor] = []
-        self.baseline: list[torch.Tensor] = []
+        self.baseline = None  # LayerErrors of the local baseline's stack
         self.reference_seconds = 0.0
         self.reference_source = ""
         self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's per-layer dQ, mapped, if any
 
-    def get(self, case: Case, layers: int, progress: Progress | None = None
-            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def get(self, case: Case, layers: int, progress: Progress | None = None):
+        """(reference, baseline): the per-layer float64 dQ, and the baseline stack's `LayerErrors`."""
         from attn_doctor.backends import BASELINE, build
         from attn_doctor.probes.stack import (
             BackendAttention,
+            LayerErrors,
             float64_replica_dqs,
             layer_progress,
             make_stack,
@@ -139,7 +141,7 @@ class DepthCache:
 
         key = (case.key(), layers)
         if key != self._key:
-            self.reference = self.baseline = []
+            self.clear()
             start = time.perf_counter()
             self.reference_source = "shared" if self.shared is not None else "computed"
             model_dtype = TORCH_DTYPES[case.dtype]
@@ -149,16 +151,18 @@ class DepthCache:
                 self.reference = float64_replica_dqs(case, layers, self.device, model_dtype, progress)
             synchronize(self.device)
             self.reference_seconds = time.perf_counter() - start
-            local = BackendAttention(build(BASELINE), case)
-            self.baseline = run_stack(make_stack(case, layers, self.device, model_dtype), case, local,
-                                      on_layer=layer_progress("baseline", layers, progress))
+            baseline = LayerErrors(self.reference)
+            run_stack(make_stack(case, layers, self.device, model_dtype), case, BackendAttention(build(BASELINE), case),
+                      baseline, on_layer=layer_progress("baseline", layers, progress))
+            self.baseline = baseline
             self._key = key
             release_cached_memory(self.device)
         return self.reference, self.baseline
 
     def clear(self) -> None:
         self._key = None
-        self.reference = self.baseline = []
+        self.reference = []
+        self.baseline = None
 
 
 class Caches:

@@ -4,7 +4,8 @@ Each of the L blocks: pre-LayerNorm, fused qkv projection split the way Megatron
 ([s, b, kv_heads, (group + 2) * d] along the last dim), core attention, output projection, residual; a
 final LayerNorm. Weights are seeded at GPT scale (std 0.02; output projections 0.02 / sqrt(2 L)) and rounded
 to the model dtype once, so the float64 replica runs on exactly the weights the low-precision stack uses.
-Backward starts from a seeded output gradient; dQ is captured at every layer by a hook on q.
+Backward starts from a seeded output gradient; each layer's dQ is handed on as its backward is done, and only
+one layer's autograd graph exists at a time (`run_stack`).
 
 Tensor parallelism inside the stack: with tp = t, each layer's core attention runs as t separate calls,
 one per head shard, each on its slice of the mixed qkv tensor (the views a TP rank's attention sees),
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from attn_doctor.core.case import Case
+from attn_doctor.core.errors import own_code
+from attn_doctor.numerics.metrics import TensorMetrics, compare
 from attn_doctor.numerics.reference import Float64Attention
 
 # attention(q, k, v) on sbhd tensors [s, b, heads, d] -> out [s, b, heads, d]
@@ -89,63 +92,121 @@ def split_qkv(mixed: torch.Tensor, case: Case) -> tuple[torch.Tensor, torch.Tens
     return q.reshape(s, b, kv_heads * group, d), k, v
 
 
+# Called with each layer's dQ (sbhd, TP shards joined) as the backward reaches it, last layer first.
+OnDq = Callable[[int, torch.Tensor], None]
+
+
+def block(h: torch.Tensor, w: LayerWeights, case: Case, attention: Attention, tp: int = 1
+          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One block on its input h [s, b, hidden]: its output, and the q each of its `tp` attention calls took."""
+    hidden = case.heads * case.head_dim
+    group = case.heads // case.kv_heads
+    normed = F.layer_norm(h, (hidden,), w.ln_weight, w.ln_bias, eps=1e-5)
+    mixed = F.linear(normed, w.qkv_weight, w.qkv_bias)
+    s, b = mixed.shape[:2]
+    mixed = mixed.view(s, b, case.kv_heads, (group + 2) * case.head_dim)
+    groups_per_shard = case.kv_heads // tp
+    qs, outs = [], []
+    for shard in range(tp):
+        q, k, v = split_qkv(mixed[:, :, shard * groups_per_shard:(shard + 1) * groups_per_shard], case)
+        qs.append(q)
+        outs.append(attention(q, k, v))
+    context = torch.cat(outs, dim=2) if tp > 1 else outs[0]
+    return h + F.linear(context.reshape(s, b, hidden), w.proj_weight, w.proj_bias), qs
+
+
 def run_stack(
     inputs: StackInputs,
     case: Case,
     attention: Attention,
+    on_dq: OnDq,
     tp: int = 1,
     on_layer: OnLayer | None = None,
-) -> list[torch.Tensor]:
-    """Forward and backward through the stack; returns dQ of every layer (sbhd, first layer first)."""
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Forward and backward through the stack in `dtype` (default: the inputs'; weights are cast a layer at a
+    time), handing each layer's dQ to `on_dq` as the backward reaches it.
+
+    Only one layer's autograd graph exists at a time, as with Megatron's full activation recomputation: the
+    forward keeps each layer's input alone, and the backward runs each layer's forward again from it, then
+    its backward. A 128-layer float64 replica so holds 128 layer inputs, not 128 layers of activations (tens
+    of GiB). Each layer's attention is still its own forward and backward on that layer's inputs: the same
+    operations on the same values, so the dQ are those of one autograd graph over the whole stack (the
+    tests hold them equal). What a layer's backward hands on is that graph's gradient too: the residual's and
+    the layer's parts summed, as autograd sums them."""
+    dtype = dtype or inputs.x.dtype
     hidden = case.heads * case.head_dim
-    group = case.heads // case.kv_heads
+    count = len(inputs.layers)
+    boundaries: list[torch.Tensor] = []
+    h = inputs.x.to(dtype)
+    with torch.enable_grad():  # the kernel's forward sees inputs that require grad, as in training
+        for index, weights in enumerate(inputs.layers):
+            boundaries.append(h)
+            h = block(h.detach().requires_grad_(), weights.to(dtype), case, attention, tp)[0].detach()
+            if on_layer is not None:
+                on_layer("forward", index)
+        h.requires_grad_()
+        y = F.layer_norm(h, (hidden,), *(t.to(dtype) for t in inputs.final_ln), eps=1e-5)
+        (grad,) = torch.autograd.grad(y, h, inputs.dy.to(dtype))
+        del y, h
+        for index in reversed(range(count)):
+            x = boundaries.pop().detach().requires_grad_()
+            out, qs = block(x, inputs.layers[index].to(dtype), case, attention, tp)
+            grad, *dqs = torch.autograd.grad(out, [x, *qs], grad)
+            del out, qs, x
+            on_dq(index, torch.cat(dqs, dim=2) if tp > 1 else dqs[0])
+            del dqs
+            if on_layer is not None:
+                on_layer("backward", index)
+
+
+def bshd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)
+
+
+class LayerErrors:
+    """A `run_stack` callback: each layer's dQ against the float64 replica's (`reference`, sbhd, per layer) as
+    it arrives; the first and the last layer's dQ kept. The comparison is attn-doctor's code, called from
+    inside the kernel's backward: its errors are attn-doctor's (`own_code`)."""
+
+    def __init__(self, reference: list[torch.Tensor]):
+        self.reference = reference
+        self.metrics: list[TensorMetrics | None] = [None] * len(reference)
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def __call__(self, index: int, dq: torch.Tensor) -> None:
+        with own_code():
+            self.metrics[index] = compare(bshd(dq), bshd(self.reference[index]))
+            if index in (0, len(self.reference) - 1):
+                self.kept[index] = dq
+
+    @property
+    def first(self) -> torch.Tensor:
+        return self.kept[0]
+
+    @property
+    def last(self) -> torch.Tensor:
+        return self.kept[len(self.reference) - 1]
+
+
+def stack_dqs(inputs: StackInputs, case: Case, attention: Attention, tp: int = 1,
+              on_layer: OnLayer | None = None, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """dQ of every layer (sbhd, first layer first): `run_stack`, every layer's kept."""
     dqs: list[torch.Tensor | None] = [None] * len(inputs.layers)
-    x = inputs.x.detach().requires_grad_()
-    h = x
-    for index, w in enumerate(inputs.layers):
-        normed = F.layer_norm(h, (hidden,), w.ln_weight, w.ln_bias, eps=1e-5)
-        mixed = F.linear(normed, w.qkv_weight, w.qkv_bias)
-        s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, case.kv_heads, (group + 2) * case.head_dim)
-        groups_per_shard = case.kv_heads // tp
-        outs = []
-        for shard in range(tp):
-            part = mixed[:, :, shard * groups_per_shard:(shard + 1) * groups_per_shard]
-            q, k, v = split_qkv(part, case)
-            q.register_hook(_store(dqs, index, shard, tp, on_layer))
-            outs.append(attention(q, k, v))
-        context = torch.cat(outs, dim=2) if tp > 1 else outs[0]
-        h = h + F.linear(context.reshape(s, b, hidden), w.proj_weight, w.proj_bias)
-        if on_layer is not None:
-            on_layer("forward", index)
-    y = F.layer_norm(h, (hidden,), *inputs.final_ln, eps=1e-5)
-    y.backward(inputs.dy)
-    return [dq.detach() for dq in dqs]
 
+    def keep(index: int, dq: torch.Tensor) -> None:
+        dqs[index] = dq
 
-def _store(dqs: list, index: int, shard: int, tp: int, on_layer: OnLayer | None):
-    def hook(grad: torch.Tensor) -> None:
-        if tp == 1:
-            dqs[index] = grad.detach()
-        else:
-            if dqs[index] is None:
-                dqs[index] = [None] * tp
-            dqs[index][shard] = grad.detach()
-            if not all(part is not None for part in dqs[index]):
-                return
-            dqs[index] = torch.cat(dqs[index], dim=2)
-        if on_layer is not None:
-            on_layer("backward", index)
-
-    return hook
+    run_stack(inputs, case, attention, keep, tp=tp, on_layer=on_layer, dtype=dtype)
+    return dqs
 
 
 def float64_replica_dqs(case: Case, layers: int, device: torch.device, model_dtype: torch.dtype,
                         progress: Callable[[str], None] | None = None) -> list[torch.Tensor]:
     """dQ at every layer of the stack's float64 replica (the model's weights, upcast): the depth reference."""
     stack = make_stack(case, layers, device, model_dtype)
-    return run_stack(stack.to(torch.float64), case, float64_attention(case),
-                     on_layer=layer_progress("float64 replica", layers, progress))
+    return stack_dqs(stack, case, float64_attention(case), on_layer=layer_progress("float64 replica", layers, progress),
+                     dtype=torch.float64)
 
 
 def layer_progress(what: str, layers: int, progress: Callable[[str], None] | None) -> OnLayer | None:
@@ -180,14 +241,19 @@ class BackendAttention:
         return self.last_out
 
 
-def stack_bytes(case: Case, layers: int, itemsize: int, attention_saved: int) -> int:
-    """Bytes a stack run holds at its peak (the end of the forward): the weights, and per layer what autograd
-    keeps for the backward (the layer norm's input and output, the mixed qkv, the attention output and its
-    projection, and `attention_saved`, what one layer's attention keeps), plus the per-layer dQ it returns."""
+def stack_bytes(case: Case, layers: int, item: int, model_item: int, attention: int, all_dq: bool) -> int:
+    """Bytes a `run_stack` in a dtype of `item` bytes holds at its peak, a layer's backward: the weights (in the
+    model's dtype, `model_item`; one layer's cast), every layer's input, one layer's forward again and its
+    backward (the layer norm's output, the mixed qkv and its gradient, q, k, v's gradients, the attention's output,
+    its joined and projected copies, the gradients handed back) with `attention` (what that layer's attention
+    calls hold, saved and transient), and the dQ handed on: every layer's (`all_dq`; a layer's input is dropped as
+    its dQ arrives, so the two take turns) or the caller's two."""
     hidden = case.heads * case.head_dim
     qkv_out = (case.heads + 2 * case.kv_heads) * case.head_dim
     tokens = case.seq * case.batch
-    weights = (qkv_out * hidden + hidden * hidden + 2 * qkv_out + 4 * hidden) * itemsize
-    activations = tokens * (4 * hidden + qkv_out) * itemsize + attention_saved
-    dq = tokens * hidden * itemsize
-    return layers * (weights + activations + dq) + 2 * tokens * hidden * itemsize
+    weights = layers * (qkv_out * hidden + hidden * hidden + 2 * qkv_out + 4 * hidden) * model_item
+    cast = (qkv_out * hidden + hidden * hidden) * item if item != model_item else 0
+    inputs = (layers + 1) * tokens * hidden * item  # with the last layer's output
+    layer = tokens * (6 * hidden + 3 * qkv_out) * item + attention
+    dq = 0 if all_dq else 2 * tokens * hidden * item
+    return weights + cast + inputs + layer + dq

@@ -89,12 +89,15 @@ def results_markdown(rows: list[Row], only_failing: bool = False) -> str:
 
 
 def counts_markdown(rows: list[Row]) -> str:
-    """How many rows of each backend pass, fail, crash, could not be judged and are skipped."""
+    """How many rows of each backend pass, fail, crash, could not be judged, are skipped and did not fit."""
     tallies = tally(call_rows(rows))
     undecided = any(t.inconclusive for t in tallies)
+    too_big = any(t.too_big for t in tallies)
     body = [[escape(t.backend), str(t.passed), str(t.failed), str(t.errors)]
-            + ([str(t.inconclusive)] if undecided else []) + [str(t.skipped)] for t in tallies]
-    header = ["backend", "PASS", "FAIL", "ERROR"] + (["INCONCLUSIVE"] if undecided else []) + ["SKIP"]
+            + ([str(t.inconclusive)] if undecided else []) + [str(t.skipped)]
+            + ([str(t.too_big)] if too_big else []) for t in tallies]
+    header = (["backend", "PASS", "FAIL", "ERROR"] + (["INCONCLUSIVE"] if undecided else []) + ["SKIP"]
+              + (["TOO-BIG"] if too_big else []))
     return table(header, body) if body else ""
 
 

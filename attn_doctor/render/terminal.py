@@ -32,7 +32,7 @@ from attn_doctor.verdict.diagnosis import flash_style_notes
 from attn_doctor.verdict.rule import TENSORS, floor_text, multiple_text
 
 VERDICT_STYLE = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold magenta", "INCONCLUSIVE": "bold yellow",
-                 "SKIP": "dim"}
+                 "SKIP": "dim", "TOO-BIG": "bold cyan"}
 
 
 def _table(title: str | None = None, caption: str | None = None) -> Table:
@@ -117,11 +117,11 @@ def ran_lines(rows: list[Row]) -> list[Text]:
 
 
 def notes_lines(rows: list[Row]) -> list[Text]:
-    """The reasons of SKIP and ERROR rows, and of rows that could not be judged, one line each, for under the
-    table."""
+    """The reasons of SKIP, ERROR and TOO-BIG rows, and of rows that could not be judged, one line each, for under
+    the table."""
     lines = []
     for row, layout in display_rows(rows):
-        if row.verdict in ("SKIP", "ERROR") and not row.tensors or row.verdict == "INCONCLUSIVE":
+        if row.verdict in ("SKIP", "ERROR", "TOO-BIG") and not row.tensors or row.verdict == "INCONCLUSIVE":
             where = "all layouts" if layout == "all" else layout
             style = VERDICT_STYLE.get(row.verdict, "")
             lines.append(Text.assemble((f"{row.verdict} ", style), f"{row.backend} ({where}): {row.reason}"))
@@ -224,11 +224,13 @@ def run_view(report, title: str, wide: bool = False) -> list:
 
 
 def tally_table(tallies) -> Table:
-    """Per backend: rows passing / failing / erroring / could not be judged (when any) / skipped, and the failing
-    cases."""
+    """Per backend: rows passing / failing / erroring / could not be judged (when any) / skipped / too big for the
+    memory budget (when any), and the failing cases."""
     table = _table("sweep summary")
     undecided = any(t.inconclusive for t in tallies)
-    for name in ("backend", "pass", "fail", "error", *(["unsure"] if undecided else []), "skip"):
+    too_big = any(t.too_big for t in tallies)
+    for name in ("backend", "pass", "fail", "error", *(["unsure"] if undecided else []), "skip",
+                 *(["too big"] if too_big else [])):
         table.add_column(name, justify="left" if name == "backend" else "right", no_wrap=name != "backend",
                          overflow="fold")
     table.add_column("failing cases", ratio=1, overflow="fold")
@@ -236,7 +238,8 @@ def tally_table(tallies) -> Table:
         failing = "\n".join(t.failing_cases[:8]) + (f"\n… {len(t.failing_cases) - 8} more" if len(t.failing_cases) > 8 else "")
         unsure = [Text(str(t.inconclusive), style="yellow" if t.inconclusive else "")] if undecided else []
         table.add_row(t.backend, str(t.passed), Text(str(t.failed), style="red" if t.failed else ""),
-                      Text(str(t.errors), style="magenta" if t.errors else ""), *unsure, str(t.skipped), failing)
+                      Text(str(t.errors), style="magenta" if t.errors else ""), *unsure, str(t.skipped),
+                      *([Text(str(t.too_big), style="cyan" if t.too_big else "")] if too_big else []), failing)
     return table
 
 
@@ -262,15 +265,15 @@ def depth_table(lines) -> Table:
 
 
 def sweep_view(report) -> list:
-    """`sweep`'s (and `replay`'s) output: per-backend counts, the depth table, the ERROR rows' reasons, the
-    flash-style paths that pass on their own output rounding, the verdict."""
+    """`sweep`'s (and `replay`'s) output: per-backend counts, the depth table, the ERROR and TOO-BIG rows'
+    reasons, the flash-style paths that pass on their own output rounding, the verdict."""
     from attn_doctor.verdict.diagnosis import tally
 
     views: list = [tally_table(tally(report.rows))]
     if report.depth_lines:
         views.append(depth_table(report.depth_lines))
     views += repeat_lines(report.rows)
-    views += notes_lines([r for r in report.rows if r.verdict == "ERROR"])
+    views += notes_lines([r for r in report.rows if r.verdict in ("ERROR", "TOO-BIG")])
     views += flash_style_lines(report.rows)
     if report.seconds.get("points"):
         views.append(Text(f"{report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s: "

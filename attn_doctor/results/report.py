@@ -42,6 +42,8 @@ class RunReport:
     # What was asked for but could not be judged, and why (a captured call whose values cannot be read): a run
     # that judged everything else still does not exit 0.
     not_judged: list[str] = field(default_factory=list)
+    # The memory plan it ran by (`attn_doctor.execution.memory_plan.MemoryPlan.to_dict`: budget, estimate, workers)
+    memory: dict[str, Any] = field(default_factory=dict)
 
     # -- derived (the rows are not changed after a report is made) --
 
@@ -109,6 +111,8 @@ class RunReport:
             d["notes"] = list(self.notes)
         if self.not_judged:
             d["not_judged"] = list(self.not_judged)
+        if self.memory:
+            d["memory"] = dict(self.memory)
         return d
 
     @classmethod
@@ -132,6 +136,7 @@ class RunReport:
                 interrupted=bool(d.get("interrupted", False)),
                 notes=[str(note) for note in notes] if isinstance(notes, list) else [],
                 not_judged=list(d.get("not_judged", [])),
+                memory=dict(d.get("memory") or {}),
             )
         except (KeyError, TypeError, ValueError, AttributeError, BadInput) as exc:
             raise BadInput(f"{source} is damaged ({type(exc).__name__}: {exc}); {REGENERATE}") from None

@@ -17,8 +17,10 @@ from attn_doctor.verdict.rule import (
     FAIL,
     INCONCLUSIVE,
     NOISE_YARDSTICK,
+    NOT_RUN,
     PASS,
     SKIP,
+    TOO_BIG,
     flash_style_note,
 )
 from attn_doctor.verdict.view import RowView
@@ -118,10 +120,10 @@ def requested_rows(rows: list[RowView], requested: list[str] | None) -> list[Row
 
 
 def untested(rows: list[RowView], requested: list[str] | None) -> str | None:
-    """Why nothing the user asked for was tested (every requested probe skipped), or None when something was.
-    One line: the reasons, most common first."""
+    """Why nothing the user asked for was tested (every requested probe skipped, or too big for the memory budget),
+    or None when something was. One line: the reasons, most common first."""
     asked = requested_rows(rows, requested)
-    if any(row.verdict != SKIP for row in asked):
+    if any(row.verdict not in NOT_RUN for row in asked):
         return None
     if not asked:
         return "nothing was tested: no probe of the requested backends was planned"
@@ -133,7 +135,8 @@ def untested(rows: list[RowView], requested: list[str] | None) -> str | None:
     ordered = sorted(reasons.items(), key=lambda item: -len(item[1]))
     first, backends = ordered[0]
     more = f" (and {len(ordered) - 1} other reason{'s' if len(ordered) > 2 else ''}; see the table)" if len(ordered) > 1 else ""
-    return f"nothing was tested: every requested path was skipped here; {', '.join(backends)}: {first}{more}"
+    did = "skipped" if all(row.verdict == SKIP for row in asked) else "skipped or too big for the memory budget"
+    return f"nothing was tested: every requested path was {did} here; {', '.join(backends)}: {first}{more}"
 
 
 def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
@@ -143,8 +146,9 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
     faulty = find_faulty(rows)
     undecided = undecided_text(rows)
     if untested(rows, requested) is not None:
-        text = "No requested path could run here: every one was skipped." if tested else \
-            "No backend could run here: every row was skipped."
+        how = "skipped or did not fit in the memory budget" if any(r.verdict == TOO_BIG for r in rows) else "skipped"
+        text = f"No requested path could run here: every one was {how}." if tested else \
+            f"No backend could run here: every row was {how}."
     elif not faulty and undecided:
         text = undecided
     elif not faulty:
@@ -178,6 +182,11 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
                      "calling it a fault.")
         if undecided:
             text += f" {undecided}"
+    too_big = [row for row in rows if row.verdict == TOO_BIG]
+    if too_big and untested(rows, requested) is None:
+        names = ", ".join(dict.fromkeys(row.backend for row in too_big))
+        text += (f" Not judged: {len(too_big)} probe{'s' if len(too_big) > 1 else ''} of {names} "
+                 f"{too_big[0].reason}{' (and more; see the rows)' if len(too_big) > 1 else ''}.")
     internal = [row for row in rows if row.verdict == ERROR and row.internal]
     if internal:
         names = ", ".join(dict.fromkeys(row.backend for row in internal))
@@ -251,6 +260,7 @@ class BackendTally:
     skipped: int
     failing_cases: list[str] = field(default_factory=list)
     inconclusive: int = 0
+    too_big: int = 0  # probes that did not fit in the memory budget
 
 
 def tally(rows: list[RowView]) -> list[BackendTally]:
@@ -270,5 +280,6 @@ def tally(rows: list[RowView]) -> list[BackendTally]:
         row = counts.loc[backend]
         failing = frame[(frame.backend == backend) & frame.verdict.isin(["FAIL", "ERROR"])]["knobs"].tolist()
         out.append(BackendTally(backend, int(row.get("PASS", 0)), int(row.get("FAIL", 0)), int(row.get("ERROR", 0)),
-                                int(row.get("SKIP", 0)), failing, int(row.get(INCONCLUSIVE, 0))))
+                                int(row.get("SKIP", 0)), failing, int(row.get(INCONCLUSIVE, 0)),
+                                int(row.get(TOO_BIG, 0))))
     return out

@@ -141,6 +141,10 @@ from attn_doctor.numerics.standalone import (
 )
 
 PASS, FAIL, SKIP, ERROR, INCONCLUSIVE = "PASS", "FAIL", "SKIP", "ERROR", "INCONCLUSIVE"
+# A probe that ran out of memory alone, within the memory budget (`attn_doctor.execution.session`): not judged, and
+# no one's fault, the kernel's nor attn-doctor's; like SKIP, a request that cannot run here.
+TOO_BIG = "TOO-BIG"
+NOT_RUN = (SKIP, TOO_BIG)  # verdicts of probes that did not run here
 CORE_TENSORS = ("out", "dq", "dk", "dv")  # what every call is judged on
 TENSORS = CORE_TENSORS + ("dsink",)  # with the learnable softmax sink's gradient where there is one
 BORDERLINE = 1.5

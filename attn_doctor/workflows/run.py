@@ -15,6 +15,7 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.core.probe_kinds import ProbeKind, dense_api_refusal, rules_for
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.core.processes import check_timeout
+from attn_doctor.execution.budget import MemoryAsk
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
 
@@ -44,6 +45,7 @@ class RunRequest:
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards)
     repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
     notes: list[str] = field(default_factory=list)  # what attn-doctor chose for the user (the CPU sizing), kept
+    memory: MemoryAsk = field(default_factory=MemoryAsk)  # --max-memory, and what was free at the start
 
     @property
     def kind(self) -> ProbeKind:
@@ -89,14 +91,14 @@ def sized_for_cpu(request: RunRequest, given: Collection[str]) -> RunRequest:
     shrink; probes on real ranks (--nproc) are left as they are. What cannot run as asked (bad input, more
     memory than the machine has) is refused as asked, before anything is sized."""
     from attn_doctor.core.cpu_sizing import resizable, size_for_cpu
-    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.execution.memory_plan import plan_memory
     from attn_doctor.machine.matmul_rate import cpu_matmul_gflops
 
     if request.kind is ProbeKind.DISTRIBUTED or not resizable(request.case, request.device, given):
         return request
     request.check()
     probes = runnable(plan(request), request.specs, request.device, request.kind, [request.tp])
-    check_fits(probes, request.device, repeats=request.repeats)
+    plan_memory(probes, request.device, request.memory.budget(request.device), repeats=request.repeats)
     sizing = size_for_cpu(request.case, request.device, given, len(probes) * request.repeats,
                           cpu_matmul_gflops(request.case.dtype))
     if sizing.note is None:
@@ -167,20 +169,23 @@ def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
     request.check()
     if request.kind is ProbeKind.DISTRIBUTED:
         return run_distributed(request, progress)
-    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.execution.memory_plan import plan_memory
     from attn_doctor.execution.session import Session
 
     coords = plan(request)
-    check_fits(runnable(coords, request.specs, request.device, request.kind, [request.tp]), request.device,
-               repeats=request.repeats)
+    budget = request.memory.budget(request.device)
+    memory = plan_memory(runnable(coords, request.specs, request.device, request.kind, [request.tp]), request.device,
+                         budget, repeats=request.repeats)  # refused here, before anything starts, if it cannot fit
     progress = progress or ProgressSink()
     start = time.perf_counter()
     progress.begin(len(coords), "probes")
     try:
-        with Session(request.device, request.timeout_s, progress=progress, repeats=request.repeats) as session:
+        with Session(request.device, request.timeout_s, progress=progress, repeats=request.repeats,
+                     budget=budget) as session:
             rows = session.run(coords, on_row=lambda row: progress.advance(1, f"{row.backend} {row.layout}"))
             facts, startup = session.facts, session.startup_seconds
             reference_s = session.references.seconds
+            memory = session.plan or memory
     except KeyboardInterrupt as exc:
         progress.end()
         finished = getattr(exc, "finished_rows", [])
@@ -188,7 +193,9 @@ def run(request: RunRequest, progress: ProgressSink | None = None) -> RunReport:
                                          interrupted=True, notes=request.notes)) from None
     progress.end()
     probes_s = time.perf_counter() - start
-    report = make_report(rows, request.specs, request.device, request.command, facts, notes=request.notes)
+    report = make_report(rows, request.specs, request.device, request.command, facts,
+                         notes=[*request.notes, *([memory.fewer] if memory.fewer else [])])
+    report.memory = memory.to_dict()
     report.seconds = profile(rows, startup, reference_s, probes_s, time.perf_counter() - start)
     return report
 

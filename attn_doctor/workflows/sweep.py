@@ -15,6 +15,7 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.core.probe_kinds import rules_for
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.core.processes import check_timeout
+from attn_doctor.execution.budget import MemoryAsk
 from attn_doctor.probes.plan import Point, plan_points, point_kind, shard_of
 from attn_doctor.results.log import DOCUMENT_FILE, ResultsLog
 from attn_doctor.results.report import RunReport, dumps
@@ -40,6 +41,7 @@ class SweepRequest:
     repeats: int = 1  # --repeats: runs of each single call on the same inputs (judged on the worst)
     shard: tuple[int, int] | None = None  # --shard I/N: only the I-th of N slices of the points (`shard_of`)
     not_judged: list[str] = field(default_factory=list)  # asked for, not runnable: why each (replay's damaged calls)
+    memory: MemoryAsk = field(default_factory=MemoryAsk)  # --max-memory, and what was free at the start
 
 
 @dataclass
@@ -49,6 +51,8 @@ class SweepPlan:
     points: list[Point]
     todo: list[Point]
     done_rows: list[Row] = field(default_factory=list)
+    budget: object = None  # the MemoryBudget the sweep runs within (None: not known)
+    memory: object = None  # the MemoryPlan its points fit (None: nothing to run)
 
     @property
     def workers(self) -> int:
@@ -83,7 +87,7 @@ def check_same_repeats(directory: Path, done_rows: list[Row], repeats: int) -> N
 
 def prepare(request: SweepRequest) -> SweepPlan:
     """Check the request against what is on disk and what can run here, before any work starts."""
-    from attn_doctor.execution.budget import check_fits
+    from attn_doctor.execution.memory_plan import plan_memory
     from attn_doctor.workflows.run import check_repeats, runnable
 
     check_repeats(request.repeats)
@@ -124,8 +128,9 @@ def prepare(request: SweepRequest) -> SweepPlan:
     plan = SweepPlan(request, log, points, todo, done_rows)
     can_run = set(runnable([c for p in points for c in p.coords(request.specs)], request.specs, request.device,
                            kind, request.degrees or [1]))
-    check_fits([c for p in todo for c in p.coords(request.specs) if c in can_run], request.device, plan.workers,
-               repeats=request.repeats)
+    plan.budget = request.memory.budget(request.device)
+    plan.memory = plan_memory([c for p in todo for c in p.coords(request.specs) if c in can_run], request.device,
+                              plan.budget, plan.workers, request.repeats)  # refused here if it cannot fit
     return plan
 
 
@@ -150,12 +155,16 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
         progress.advance(0, f"{plan.todo[index].case.short()} [{plan.todo[index].kind.name.lower()}] done")
 
     with Session(request.device, request.timeout_s, workers_per_family=plan.workers, progress=progress,
-                 repeats=request.repeats) as session:
+                 repeats=request.repeats, budget=plan.budget) as session:
         for point_rows in session.run_groups(groups, on_row=lambda row: progress.advance(1), on_group=point_done):
             rows.extend(point_rows)
         facts = session.facts
+        memory = session.plan or plan.memory
     progress.end()
-    report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged)
+    fewer = [memory.fewer] if memory is not None and memory.fewer else []
+    report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged,
+                         notes=fewer)
+    report.memory = memory.to_dict() if memory is not None else {}
     # This run's wall time and pace (points already done by an earlier run are not counted).
     wall = time.perf_counter() - start
     report.seconds = {"wall": wall, "points": float(len(plan.todo)),

@@ -1,8 +1,10 @@
 """A kernel whose backward error is tiny in one call but compounds through a deep stack.
 
 `compounding_backward` has a correct forward; its backward multiplies dq, dk and dv by (1 + DELTA) ** n,
-where n counts the backward calls since the current forward pass began (the counter restarts when a
-forward follows a backward). In an L-layer stack the last layer's backward is call 1 and the first
+where n counts the backward calls since the current forward pass began. A forward pass is two or more forward
+calls in a row (a stack's layers); the one forward between two backward calls is the recomputation of the layer
+about to be differentiated (attn-doctor's stacks recompute each layer, as Megatron's activation recomputation
+does), which continues the backward pass. In an L-layer stack the last layer's backward is call 1 and the first
 layer's is call L, so layer 1's dQ is off by (1 + DELTA) ** L times whatever the layers above passed down:
 0.25% at one layer, about 4% at sixteen and 37% at 128.
 
@@ -15,7 +17,7 @@ import torch
 
 DELTA = 0.0025
 
-_state = {"calls": 0, "last": "forward"}
+_state = {"calls": 0, "last": "backward"}
 
 
 def _attention_fp32(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -34,7 +36,7 @@ def _attention_fp32(q, k, v, causal: bool, scale: float) -> torch.Tensor:
 class _Compounding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
-        if _state["last"] == "backward":  # a new forward pass: start counting again
+        if _state["last"] == "forward":  # a forward after a forward: a forward pass, start counting again
             _state["calls"] = 0
         _state["last"] = "forward"
         ctx.save_for_backward(q, k, v)
@@ -61,7 +63,7 @@ def compounding_backward(q, k, v, *, causal: bool, softmax_scale: float):
 
 def reset() -> None:
     """Forget the count (for tests that call the kernel in-process)."""
-    _state.update(calls=0, last="forward")
+    _state.update(calls=0, last="backward")
 
 
 SLOW_S = 0.3

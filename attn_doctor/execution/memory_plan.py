@@ -1,0 +1,347 @@
+"""Memory: what a request's processes need at their peak, against one budget for all of them together
+(`attn_doctor.execution.budget`), and the plan that keeps them inside it, made before anything starts.
+
+The plan (`plan_memory`) counts every process attn-doctor starts:
+- each process's fixed part, outside torch's caching allocator: a CUDA context with its libraries' modules and
+  handles (`PROCESS_BYTES`, per family: TE's is larger), or on the CPU the interpreter with torch loaded;
+- the parent: the float64 references it keeps while jobs use them, at most `live_references` at once (a family
+  that runs ahead waits for the others: `attn_doctor.execution.shared_reference`), and the scratch of computing
+  one (one at a time);
+- each worker: the largest unit it runs (`probe_need`: a case's inputs, the layout's buffers, outputs, gradients,
+  the comparison's chunks, the tensors kept to spot bitwise repeats, the path's own working memory
+  `Backend.memory`; for a depth stack its weights, every layer's input and one layer's forward and backward,
+  `attn_doctor.probes.stack.stack_bytes`).
+Families run side by side, each with up to the workers asked for; where that does not fit, fewer workers run,
+then families take turns (as depth stacks always do: one float64 stack is held at a time). A request whose
+smallest plan does not fit is refused before anything starts (`BadInput`), naming the budget, the estimate and
+the sizes that would fit. On a GPU each process's allocator is then held to its share (`MemoryPlan.caps`, set by
+`attn_doctor.execution.session` through torch's per-process memory fraction), so a budget below the card's size
+behaves like a smaller card, and a probe that needs more than planned fails alone instead of starving the
+others (then it is retried alone: `Session`).
+
+The estimate is of the peak the device sees, all processes together (what NVML reports for them: contexts and
+the allocators' reserved memory), and it is meant to be within 1.0-1.3x of the sampled peak: the constants here
+were fitted to peaks sampled on an H100 (benchmarks/bench_memory.py, benchmarks/RESULTS.md). It covers the large
+allocations and each process's fixed part, not every allocator's slack: the caps share what the estimate leaves
+of the budget among the processes, in proportion to their needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from attn_doctor import backends
+from attn_doctor.core.case import DTYPE_BYTES, Case, tp_shard
+from attn_doctor.core.coords import Coords, ProbeKind
+from attn_doctor.core.errors import BadInput
+from attn_doctor.execution.budget import MIB, MemoryBudget, size
+from attn_doctor.numerics.metrics import CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS
+
+# Each process's fixed part: on a GPU, what NVML shows for it beyond torch's reserved memory (CUDA context,
+# cuBLAS/cuDNN handles and workspaces, TE's modules), measured on an H100 with torch 2.11 and TE 2.20.2
+# (benchmarks/RESULTS.md, "Memory"); on the CPU, the resident size of an interpreter with torch (and the family's
+# library) imported.
+PROCESS_BYTES = {
+    "cuda": {"parent": 620 * MIB, "te": 1100 * MIB, "default": 620 * MIB},
+    "cpu": {"parent": 450 * MIB, "default": 400 * MIB},
+}
+# The tensors a worker keeps per case to spot a bitwise repeat of a compared tensor (`probes.caches.Measured`).
+MEASURED_LIMIT = {"cuda": 1 << 28, "cpu": 1 << 30}
+
+
+def process_bytes(who: str, device: str) -> int:
+    """A process's fixed part (`PROCESS_BYTES`): `who` is "parent" or a worker's backend family."""
+    table = PROCESS_BYTES["cuda" if device.startswith("cuda") else "cpu"]
+    return table.get(who, table["default"])
+
+
+# -- what one unit of work needs --
+
+def _elements(case: Case) -> tuple[int, int]:
+    return case.batch * case.seq * case.heads * case.head_dim, case.batch * case.seq_kv * case.kv_heads * case.head_dim
+
+
+def _chunk(device: str) -> int:
+    return CPU_CHUNK_ELEMENTS if device.startswith("cpu") else CHUNK_ELEMENTS
+
+
+def _comparison(elements: int, device: str) -> int:
+    """A comparison's float64 temporaries over one stretch of the sequence (`numerics.metrics.compare`)."""
+    return min(elements, _chunk(device)) * 8 * 5
+
+
+def _reference(case: Case, device: str) -> tuple[int, int]:
+    import torch
+
+    from attn_doctor.numerics.reference import reference_bytes
+
+    return reference_bytes(case.batch, case.seq, case.seq_kv, case.heads, case.kv_heads, case.head_dim,
+                           torch.device(device.split(":")[0]))
+
+
+def _call_need(coords: Coords, device: str, repeats: int, probes_in_unit: int) -> int:
+    """One call's inputs, layout buffers, outputs and gradients, its comparison and the path's own working memory;
+    a repeated call (--repeats) keeps its first repeat's outputs and gradients to compare with; the tensors kept
+    to spot bitwise repeats (at most `MEASURED_LIMIT`, over the unit's probes); the baseline's probe computes the
+    case's flash-style part (an exact attention's scratch and a few float64 tensors)."""
+    case = coords.case
+    item = DTYPE_BYTES[case.dtype]
+    q, kv = _elements(case)
+    views = 2 if coords.layout == "head_slice" else 1  # the head_slice layout's wider buffers
+    need = (2 * q + 2 * kv) * item * 3 + (q + 2 * kv) * item * (views - 1) + _comparison(max(q, kv), device)
+    if repeats > 1 and coords.kind_rules.repeats:
+        need += (2 * q + 2 * kv) * item
+    path = backends.memory(coords.backend, case)
+    need += path.saved + path.transient
+    need += min(MEASURED_LIMIT["cpu" if device.startswith("cpu") else "cuda"], probes_in_unit * (2 * q + 2 * kv) * item)
+    if coords.is_baseline(backends.BASELINE):
+        need += sum(_reference(case, device)) + 6 * q * 8
+    return need
+
+
+def _depth_need(coords: Coords, device: str) -> int:
+    """A depth probe's worker: the baseline's stack measured first (its first and last dQ kept), then the backend's
+    (`stack_bytes`), each layer's dQ compared as it comes."""
+    from attn_doctor.probes.stack import stack_bytes
+
+    case = coords.case
+    item = DTYPE_BYTES[case.dtype]
+    shard = tp_shard(case, coords.tp)
+    own = backends.memory(coords.backend, shard)
+    local = backends.memory(backends.BASELINE, case)
+    attention = max((own.saved + own.transient) * coords.tp, local.saved + local.transient)
+    q, _ = _elements(case)
+    return stack_bytes(case, coords.layers, item, item, attention, all_dq=False) + 2 * q * item + _comparison(q, device)
+
+
+def probe_need(coords: Coords, device: str, repeats: int = 1, probes_in_unit: int = 1) -> int:
+    """Bytes a worker's allocator holds at the probe's peak (`repeats`: --repeats, which only single calls honour;
+    `probes_in_unit`: how many probes of its family run on the case, for the tensors kept between them)."""
+    if coords.kind is ProbeKind.DEPTH:
+        return _depth_need(coords, device)
+    need = _call_need(coords, device, repeats, probes_in_unit)
+    if coords.kind is ProbeKind.TP:
+        case = coords.case
+        q, kv = _elements(case)
+        need += (2 * q + 2 * kv) * DTYPE_BYTES[case.dtype] * 3  # the unsharded run is kept while the shards run
+    return need
+
+
+def reference_need(coords: Coords, device: str) -> tuple[int, int]:
+    """(kept, scratch): bytes of the float64 reference the parent keeps while the probe's jobs run, and what
+    computing it takes on top (freed before any worker uses it)."""
+    from attn_doctor.probes.stack import stack_bytes
+
+    case = coords.case
+    if coords.kind is ProbeKind.DEPTH:
+        q, kv = _elements(case)
+        kept = coords.layers * q * 8  # every layer's dQ
+        # the replica's own stack: every layer's input and the dQ so far take turns (a layer's input is dropped
+        # as its dQ arrives), one layer's float64 attention (the exact reference's tiles, out, lse and gradients)
+        attention = _reference(case, device)[1] + (2 * q + 2 * kv) * 8
+        model_item = DTYPE_BYTES[case.dtype]
+        whole = stack_bytes(case, coords.layers, 8, model_item, attention, all_dq=True)
+        return kept, whole - kept
+    return _reference(case, device)
+
+
+# -- the plan --
+
+@dataclass
+class MemoryPlan:
+    """How a request runs within its budget: workers at once per worker process key, whether families take turns,
+    how many references the parent keeps at once, each process's allocator cap, and the estimated peak by part."""
+
+    budget: MemoryBudget | None
+    device: str
+    workers: dict[str, int]  # process key (`backends.process_of`) -> workers at once
+    serial: bool  # families take turns (one unit at a time, all families' workers started)
+    live_references: int
+    parent_cap: int
+    worker_caps: dict[str, int]  # process key -> each worker's allocator cap
+    estimate: int  # the peak, all processes together
+    needs: dict[str, int] = field(default_factory=dict)  # process key -> its largest unit's need
+    parts: dict[str, int] = field(default_factory=dict)  # what needs it -> bytes, largest first
+    fixed: dict[str, int] = field(default_factory=dict)  # process key ("parent" too) -> its fixed part
+    fewer: str = ""  # what the plan ran with less than asked, and why ("" when nothing)
+    # What the parent's allocator reserved at its peak while the plan ran (the float64 references; measured on a
+    # GPU by the session, None before or elsewhere): beside each row's "allocator_peak_bytes", the plan checked
+    parent_peak: int | None = None
+
+    def alone_cap(self, key: str, kept: int = 0) -> int | None:
+        """The cap of a worker of process `key` running alone (every other worker closed; the parent keeping `kept`
+        bytes of references): the whole budget less the parent's and its own fixed parts. None without a budget."""
+        if self.budget is None:
+            return None
+        return max(0, self.budget.bytes - self.fixed.get("parent", 0) - self.fixed.get(key, 0) - kept)
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget.to_dict() if self.budget else None, "estimate": self.estimate,
+                "parts": dict(self.parts), "workers": dict(self.workers), "serial": self.serial,
+                "live_references": self.live_references, "parent_cap": self.parent_cap,
+                "worker_caps": dict(self.worker_caps), "needs": dict(self.needs), "fixed": dict(self.fixed),
+                "device": self.device, "fewer": self.fewer, "parent_allocator_peak_bytes": self.parent_peak}
+
+
+@dataclass
+class _Demand:
+    """What the plan weighs: per process key its probes' largest need and its units; the references."""
+
+    needs: dict[str, int]
+    names: dict[str, str]  # process key -> the backend whose probe needs the most
+    families: dict[str, str]  # process key -> backend family
+    units: dict[str, int]
+    references: list[tuple[int, int]]  # (kept, scratch) per distinct reference
+    depth: bool
+
+
+def _demand(coords_list: list[Coords], device: str, repeats: int) -> _Demand:
+    per_unit: dict[tuple[str, tuple], list[Coords]] = defaultdict(list)
+    references: dict[tuple, tuple[int, int]] = {}
+    families: dict[str, str] = {}
+    for coords in coords_list:
+        key = backends.process_of(coords.backend)[0]
+        families[key] = coords.backend.family
+        per_unit[(key, coords.baseline_key())].append(coords)
+        ref_key = (coords.case.key(), coords.reference_layers)
+        if ref_key not in references:
+            references[ref_key] = reference_need(coords, device)
+    needs: dict[str, int] = {}
+    names: dict[str, str] = {}
+    units: dict[str, int] = defaultdict(int)
+    for (key, _), unit in per_unit.items():
+        units[key] += 1
+        need, name = max((probe_need(c, device, repeats, len(unit)), c.backend.name) for c in unit)
+        if need > needs.get(key, -1):
+            needs[key], names[key] = need, name
+    return _Demand(needs, names, families, dict(units), list(references.values()),
+                   any(c.kind is ProbeKind.DEPTH for c in coords_list))
+
+
+def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -> tuple[int, dict[str, int], int]:
+    """(peak, parts, live references) of running with `workers` per key, side by side or taking turns."""
+    fixed = "the processes' CUDA contexts" if device.startswith("cuda") else "the processes' interpreters"
+    parts: dict[str, int] = {fixed: process_bytes("parent", device)}
+    for key, count in workers.items():
+        parts[fixed] += count * process_bytes(demand.families[key], device)
+    kept_sizes = sorted((kept for kept, _ in demand.references), reverse=True)
+    scratch = max((s for _, s in demand.references), default=0)
+    live = 1 if serial else min(len(kept_sizes), max(1, sum(workers.values())))
+    kept = sum(kept_sizes[:live])
+    if serial:
+        at_once = max(demand.needs.values(), default=0)
+        key = max(demand.needs, key=demand.needs.get) if demand.needs else ""
+        running = {f"{demand.names[key]}'s worker (families take turns)": at_once} if key else {}
+    else:
+        running = {f"the {key} workers ({count} at once, {demand.names[key]}'s probe the largest)"
+                   if count > 1 else f"the {key} worker ({demand.names[key]}'s probe the largest)":
+                   count * demand.needs[key] for key, count in workers.items()}
+        at_once = sum(running.values())
+    # One reference (a run): it is computed before any worker measures. Several: later ones are computed while
+    # workers measure earlier ones.
+    overlap = not serial and len(demand.references) > 1
+    parts["the float64 references the parent keeps"] = kept
+    if overlap or scratch > at_once:
+        parts["computing a float64 reference"] = scratch
+    if overlap or at_once >= scratch:
+        parts.update(running)
+    total = sum(parts.values())
+    return total, dict(sorted(parts.items(), key=lambda item: -item[1])), live
+
+
+def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | None, workers_per_family: int = 1,
+                repeats: int = 1) -> MemoryPlan:
+    """The plan for running `coords_list` (the probes that will run) within `budget`: as many of the asked workers
+    per family as fit, else families taking turns; BadInput when even that does not fit (see the module)."""
+    demand = _demand(coords_list, device, repeats)
+    asked = {key: max(1, min(workers_per_family, demand.units[key])) for key in demand.needs}
+    serial = demand.depth  # one float64 stack at a time, by design
+    workers = {key: 1 for key in asked} if serial else dict(asked)
+    total, parts, live = _peak(demand, device, workers, serial)
+    fewer = ""
+    if budget is not None and not serial:
+        while total > budget.bytes and any(count > 1 for count in workers.values()):
+            key = max((k for k, c in workers.items() if c > 1),
+                      key=lambda k: process_bytes(demand.families[k], device) + demand.needs[k])
+            workers[key] -= 1
+            total, parts, live = _peak(demand, device, workers, serial)
+        if total > budget.bytes:
+            serial = True
+            total, parts, live = _peak(demand, device, workers, serial)
+        if workers != asked or serial:
+            cut = ", ".join(f"{key} {workers[key]} of {asked[key]}" for key in asked if workers[key] < asked[key])
+            fewer = (f"{'workers at once: ' + cut if cut else ''}{'; ' if cut and serial else ''}"
+                     f"{'families take turns' if serial else ''}: side by side they would need more than "
+                     f"{budget.source}")
+    if budget is not None and total > budget.bytes:
+        raise BadInput(_refusal(coords_list, device, budget, total, parts, repeats))
+    fixed = {"parent": process_bytes("parent", device)}
+    fixed.update({key: process_bytes(demand.families[key], device) for key in workers})
+    kept = parts.get("the float64 references the parent keeps", 0)
+    parent_need = kept + max((s for _, s in demand.references), default=0)
+    spare = max(0, budget.bytes - total) if budget is not None else 0
+    needs_sum = parent_need + sum(workers[key] * demand.needs[key] for key in workers) or 1
+    return MemoryPlan(
+        budget=budget, device=device, workers=workers, serial=serial, live_references=live,
+        parent_cap=parent_need + spare * parent_need // needs_sum,
+        worker_caps={key: demand.needs[key] + spare * demand.needs[key] // needs_sum for key in workers},
+        estimate=total, needs=dict(demand.needs), parts=parts, fixed=fixed, fewer=fewer)
+
+
+# -- the refusal: what would fit --
+
+def _smallest_peak(coords_list: list[Coords], device: str, repeats: int) -> int:
+    """The peak of the smallest plan (one worker per family, families taking turns)."""
+    demand = _demand(coords_list, device, repeats)
+    return _peak(demand, device, {key: 1 for key in demand.needs}, True)[0]
+
+
+def _with(coords: Coords, seq: int | None = None, layers: int | None = None) -> Coords:
+    """The same probe on a case whose sequence is `seq` (the key/value length scaled with it), or `layers` deep."""
+    if layers is not None:
+        return coords.replace(layers=layers)
+    case = coords.case
+    seq_kv = seq if case.seq_kv == case.seq else max(1, round(case.seq_kv * seq / case.seq))
+    return coords.replace(case=dataclasses.replace(case, seq=seq, seq_kv=seq_kv))
+
+
+def _largest(coords_list: list[Coords], device: str, available: int, repeats: int, what: str) -> int:
+    """The largest seq (or depth, `what` "layers") whose smallest plan fits `available`; 0 when not even 1 does."""
+    def fits(value: int) -> bool:
+        changed = [_with(c, **{what: value}) if what == "seq" or c.kind is ProbeKind.DEPTH else c for c in coords_list]
+        return _smallest_peak(changed, device, repeats) <= available
+
+    longest = max((c.layers if what == "layers" else c.case.seq) for c in coords_list)
+    lo, hi = 0, longest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _refusal(coords_list: list[Coords], device: str, budget: MemoryBudget, total: int, parts: dict[str, int],
+             repeats: int) -> str:
+    worst = list(parts.items())[:2]
+    why = ", ".join(f"{what} {size(n)}" for what, n in worst)
+    cases = {c.case.key(): c.case for c in coords_list}
+    biggest = max(cases.values(), key=lambda case: _smallest_peak([c for c in coords_list if c.case == case],
+                                                                  device, repeats))
+    mine = [c for c in coords_list if c.case == biggest]
+    depth = [c for c in mine if c.kind is ProbeKind.DEPTH]
+    hints = []
+    if depth:
+        deepest = max(c.layers for c in depth)
+        layers = _largest(mine, device, budget.bytes, repeats, "layers")
+        hints.append(f"the deepest --layers that fits is about {layers}" if layers else
+                     f"not even 1 layer fits at {deepest}'s sizes")
+    seq = _largest(mine, device, budget.bytes, repeats, "seq")
+    hints.append(f"at batch {biggest.batch}, {biggest.heads} heads, head dim {biggest.head_dim}, the longest --seq "
+                 f"that fits is about {seq}" if seq else "not even seq 1 fits: lower --batch or --heads")
+    return (f"{biggest.short()}{' at ' + str(max(c.layers for c in depth)) + ' layers' if depth else ''} needs about "
+            f"{size(total)} of memory ({why}), but the budget is {size(budget.bytes)} ({budget.source}); "
+            f"{'; '.join(hints)}")

@@ -1,0 +1,243 @@
+"""The memory budget and the plan that keeps a request inside it (`execution/budget.py`, `execution/memory_plan.py`,
+`machine/memory.py`), on fake device sizes; a probe that runs out of memory (retried alone, then TOO-BIG); the
+bound on the references the parent keeps; --max-memory on the command line. The sampled peaks on a GPU are
+benchmarks (benchmarks/bench_memory.py), not tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_doctor.backends import select
+from attn_doctor.core.case import make_case
+from attn_doctor.core.errors import BadInput
+from attn_doctor.execution.budget import GIB, MIB, MemoryAsk, MemoryBudget, resolve_budget
+from attn_doctor.execution.memory_plan import plan_memory, process_bytes
+from attn_doctor.machine.memory import MemoryReading, read_free
+from attn_doctor.probes.plan import plan_calls, plan_depth, plan_points
+from cli_checks import one_line_error
+
+KERNELS = Path(__file__).resolve().parent / "kernels"
+MEMORY = KERNELS / "memory.py"
+TINY = ["--batch", "1", "--seq", "64", "--heads", "2", "--head-dim", "16", "--device", "cpu"]
+
+
+def _gpu(gib: float) -> MemoryBudget:
+    return MemoryBudget(int(gib * GIB), "cuda:0", f"--max-memory {gib} GiB", 80 * GIB)
+
+
+def _calls(case=None, specs=None):
+    specs = specs if specs is not None else select([])
+    return plan_calls(case or make_case(), specs, [])
+
+
+def _sweep_coords(cases, specs=None):
+    specs = specs if specs is not None else select([])
+    return [c for point in plan_points(cases, []) for c in point.coords(specs)]
+
+
+# --- the budget ------------------------------------------------------------------------------------------------
+
+def test_the_default_budget_is_what_is_free_less_a_margin():
+    reading = MemoryReading(free=30 * GIB, total=80 * GIB, where="cuda:0")
+    budget = resolve_budget(reading, None)
+    assert budget.bytes == 30 * GIB - int(30 * GIB * 0.05)  # beside a job holding 50 GiB of the 80
+    assert budget.device_total == 80 * GIB and "30.0 GiB free on cuda:0" in budget.source
+    small = resolve_budget(MemoryReading(free=4 * GIB, total=80 * GIB, where="cuda:0"), None)
+    assert small.bytes == 4 * GIB - 512 * MIB  # the margin is never below 512 MiB
+
+
+def test_max_memory_is_the_budget_and_never_more_than_is_free():
+    reading = MemoryReading(free=70 * GIB, total=80 * GIB, where="cuda:0")
+    assert resolve_budget(reading, 24 * GIB).bytes == 24 * GIB
+    assert resolve_budget(reading, 24 * GIB).source == "--max-memory 24.0 GiB"
+    held = resolve_budget(reading, 100 * GIB)
+    assert held.bytes < 70 * GIB and "held to the" in held.source
+    assert resolve_budget(None, None) is None  # nothing known: nothing planned against
+    assert resolve_budget(None, 24 * GIB).bytes == 24 * GIB
+
+
+def test_a_reading_of_the_ram_never_raises_and_a_budget_follows_the_device():
+    ram = read_free("cpu")
+    assert ram is not None and 0 < ram.free <= ram.total and ram.where == "RAM"
+    gpu_reading = MemoryReading(free=70 * GIB, total=80 * GIB, where="cuda:0")
+    # read for a GPU, run on the CPU (auto found no GPU for torch): the RAM is read instead
+    assert MemoryAsk(None, gpu_reading).budget("cpu").where == "RAM"
+    assert MemoryAsk(None, gpu_reading).budget("cuda").where == "cuda:0"
+
+
+@pytest.mark.parametrize("text,expected", [("24GiB", 24 * GIB), ("48G", 48 * GIB), ("500MiB", 500 * MIB),
+                                           ("1.5 TiB", int(1.5 * (1 << 40))), ("24GB", 24 * 10**9)])
+def test_max_memory_sizes(text, expected):
+    from attn_doctor.cli.options import MEMORY_SIZE
+
+    assert MEMORY_SIZE.convert(text, None, None) == expected
+
+
+@pytest.mark.parametrize("text", ["24", "lots", "0GiB", "12 parsecs", "0.5MiB"])
+def test_a_size_without_its_unit_or_below_a_mib_is_refused_in_one_line(text, run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = one_line_error(run_cli(["run", *TINY, "--max-memory", text]))
+    assert line.startswith("attn-doctor: error: --max-memory") and "e.g. 24GiB" in line
+    assert not (tmp_path / "attn-doctor-results").exists()
+
+
+def test_every_command_that_runs_probes_takes_the_budget(run_cli):
+    for command in ("run", "sweep", "bisect", "replay"):
+        result = run_cli([command, "--help"])
+        assert "--max-memory" in result.output, command
+
+
+def test_max_memory_with_ranks_is_refused(run_cli):
+    line = one_line_error(run_cli(["run", *TINY, "--nproc", "2", "--tp", "2", "--max-memory", "4GiB"]))
+    assert "--max-memory" in line and "--nproc" in line
+
+
+# --- the plan: every process counted, admission by memory ---------------------------------------------------------
+
+def test_every_process_is_counted_the_parent_each_worker_and_their_contexts():
+    specs = select(["local", "sdpa.math"])
+    plan = plan_memory(_calls(specs=specs), "cuda", _gpu(70))
+    contexts = plan.parts["the processes' CUDA contexts"]
+    assert contexts == process_bytes("parent", "cuda") + 2 * process_bytes("local", "cuda")
+    assert plan.workers == {"local": 1, "sdpa": 1}
+    with_te = plan_memory(_calls(specs=select(["local", "sdpa.math", "te.fused"])), "cuda", _gpu(70))
+    assert with_te.parts["the processes' CUDA contexts"] == contexts + process_bytes("te", "cuda")
+    assert process_bytes("te", "cuda") > process_bytes("sdpa", "cuda")  # TE's modules and handles
+    assert plan.estimate == sum(plan.parts.values())
+
+
+def test_fewer_workers_run_where_all_would_not_fit_then_families_take_turns_then_it_is_refused():
+    cases = [make_case(seq=seq) for seq in (2048, 3072, 4096, 5120)]
+    coords = _sweep_coords(cases)
+    roomy = plan_memory(coords, "cuda", _gpu(500), workers_per_family=3)
+    assert set(roomy.workers.values()) == {3} and not roomy.serial and roomy.fewer == ""
+    squeezed = plan_memory(coords, "cuda", MemoryBudget(roomy.estimate - 1, "cuda:0", "a budget", 80 * GIB), 3)
+    assert sum(squeezed.workers.values()) < 9 and not squeezed.serial and squeezed.estimate < roomy.estimate
+    assert "workers at once" in squeezed.fewer and "a budget" in squeezed.fewer
+    one_each = plan_memory(coords, "cuda", None, workers_per_family=1)
+    turns = plan_memory(coords, "cuda", MemoryBudget(one_each.estimate - 1, "cuda:0", "a budget", 80 * GIB), 3)
+    assert turns.serial and set(turns.workers.values()) == {1} and "families take turns" in turns.fewer
+    assert turns.live_references == 1
+    with pytest.raises(BadInput) as refused:
+        plan_memory(coords, "cuda", MemoryBudget(turns.estimate - 1, "cuda:0", "--max-memory 1.0 GiB", 80 * GIB), 3)
+    line = str(refused.value)
+    assert "needs about" in line and "the budget is" in line and "--max-memory 1.0 GiB" in line
+    assert "the longest --seq that fits is about" in line
+
+
+def test_each_process_is_held_to_a_share_that_keeps_them_all_within_the_budget():
+    coords = _sweep_coords([make_case(seq=seq) for seq in (1024, 2048)])
+    budget = _gpu(40)
+    plan = plan_memory(coords, "cuda", budget, workers_per_family=2)
+    assert not plan.serial
+    held = plan.parent_cap + sum(plan.worker_caps[key] * count for key, count in plan.workers.items())
+    fixed = plan.fixed["parent"] + sum(plan.fixed[key] * count for key, count in plan.workers.items())
+    assert held + fixed <= budget.bytes
+    assert held + fixed >= budget.bytes - 16 * MIB  # what the estimate leaves is shared out, not lost
+    for key in plan.workers:  # each at least what its largest probe needs
+        assert plan.worker_caps[key] >= plan.needs[key] > 0
+    assert plan.alone_cap("sdpa") == budget.bytes - plan.fixed["parent"] - plan.fixed["sdpa"]
+
+
+def test_the_depth_sweep_of_the_design_card_plans_within_20_gib():
+    """`sweep --layers 24,128` on the default case, every path: the parent keeps 128 layers of float64 dQ (4 GiB),
+    never 128 layers of float64 activations; one family's worker at a time."""
+    specs = select([])
+    for layers in (24, 128):
+        plan = plan_memory(plan_depth(make_case(), specs, [layers], [1]), "cuda", _gpu(20))
+        assert plan.serial and plan.estimate <= 20 * GIB, (layers, plan.parts)
+    deep = plan_memory(plan_depth(make_case(), specs, [128], [1]), "cuda", _gpu(20))
+    assert deep.parts["the float64 references the parent keeps"] == 128 * 4 * 1024 * 1024 * 8
+
+
+def test_a_depth_that_does_not_fit_is_refused_with_the_deepest_that_does():
+    specs = select(["sdpa.math"])
+    with pytest.raises(BadInput) as refused:
+        plan_memory(plan_depth(make_case(), specs, [4096], [1]), "cuda", _gpu(24))
+    line = str(refused.value)
+    assert "at 4096 layers needs about" in line and "--max-memory 24 GiB" in line
+    deepest = int(line.split("the deepest --layers that fits is about ")[1].split(";")[0])
+    assert 128 < deepest < 4096
+    plan_memory(plan_depth(make_case(), specs, [deepest], [1]), "cuda", _gpu(24))
+
+
+def test_the_cpu_plan_counts_the_ram_and_refuses_what_it_cannot_hold():
+    plan = plan_memory(_calls(), "cpu", MemoryBudget(16 * GIB, "RAM", "16 GiB"))
+    assert "the processes' interpreters" in plan.parts and plan.estimate <= 16 * GIB
+    depth = plan_memory(plan_depth(make_case(), select([]), [24], [1]), "cpu", MemoryBudget(16 * GIB, "RAM", "16 GiB"))
+    assert depth.estimate <= 16 * GIB
+    with pytest.raises(BadInput, match="needs about"):
+        plan_memory(_calls(make_case(seq=65536)), "cpu", MemoryBudget(16 * GIB, "RAM", "16 GiB"))
+
+
+# --- the references the parent keeps -------------------------------------------------------------------------------
+
+def test_a_family_running_ahead_waits_for_room_among_the_kept_references():
+    from attn_doctor.execution.shared_reference import ReferenceStore
+
+    store = ReferenceStore("cpu", max_live=1)
+    store._compute = lambda case, layers: (torch.zeros(4),)  # noqa: SLF001 - the computation is not the point
+    first, second = make_case(seed=1), make_case(seed=2)
+    for case in (first, second):
+        store.expect(case)
+    store.handle(first)
+    opened = threading.Event()
+    threading.Thread(target=lambda: (store.handle(second), opened.set()), daemon=True).start()
+    assert not opened.wait(0.6)  # the second waits while the first is kept
+    store.done(first)
+    assert opened.wait(5)
+    store.clear()
+
+
+# --- out of memory: retried alone, then TOO-BIG ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_probe_that_ran_out_of_memory_beside_others_is_retried_alone_and_judged(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run_cli(["run", *TINY, "--kernel", f"{MEMORY}:fits_alone", "--layout", "contiguous",
+                      "--json", "r.json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert {r["verdict"] for r in rows} == {"PASS"}
+    assert "ERROR" not in result.output and "internal" not in result.output
+
+
+@pytest.mark.slow
+def test_a_probe_that_does_not_fit_even_alone_is_too_big_not_an_error(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run_cli(["run", *TINY, "--kernel", f"{MEMORY}:never_fits", "--kernel", f"{MEMORY}:fits_alone",
+                      "--layout", "contiguous", "--json", "r.json"])
+    assert result.exit_code == 0, result.output  # the other path is judged and passes; nothing FAILs
+    document = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["backend"]: r for r in document["results"]}
+    assert rows["never_fits"]["verdict"] == "TOO-BIG"
+    assert rows["never_fits"]["reason"].startswith("does not fit in ")
+    assert "Tried to allocate 2.00 GiB" in rows["never_fits"]["reason"]
+    assert not rows["never_fits"].get("internal")
+    assert rows["fits_alone"]["verdict"] == "PASS"
+    assert "Not judged: 1 probe of never_fits does not fit" in document["summary"]
+    assert document["faulty"] == []  # no kernel is blamed, nor attn-doctor
+    assert "TOO-BIG" in result.output
+
+
+@pytest.mark.slow
+def test_a_request_where_nothing_fits_is_exit_2_with_that_line(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = one_line_error(run_cli(["run", *TINY, "--kernel", f"{MEMORY}:never_fits", "--layout", "contiguous"]))
+    assert "nothing was tested" in line and "never_fits: does not fit in " in line
+
+
+def test_the_plan_is_recorded_and_read_back(tmp_path):
+    from attn_doctor.results.report import RunReport, read_report
+
+    plan = plan_memory(_calls(), "cuda", _gpu(24))
+    report = RunReport(command="attn-doctor run", device="cuda", env=None, rows=[], memory=plan.to_dict())
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(report.to_dict()))
+    again = read_report(path)
+    assert again.memory["estimate"] == plan.estimate and again.memory["budget"]["bytes"] == 24 * GIB
