@@ -241,3 +241,16 @@ def test_the_plan_is_recorded_and_read_back(tmp_path):
     path.write_text(json.dumps(report.to_dict()))
     again = read_report(path)
     assert again.memory["estimate"] == plan.estimate and again.memory["budget"]["bytes"] == 24 * GIB
+
+
+def test_on_the_cpu_a_family_that_had_its_turn_still_counts():
+    """glibc keeps what a process freed: on the CPU every family's peak and the parent's scratch are counted
+    together even when the families take turns; on a GPU (freed memory goes back to the device) only the largest."""
+    specs = select(["local", "sdpa.math"])
+    coords = plan_depth(make_case(), specs, [24], [1])
+    cpu = plan_memory(coords, "cpu", None)
+    gpu = plan_memory(coords, "cuda", None)
+    assert cpu.serial and gpu.serial
+    assert cpu.estimate - sum(cpu.needs.values()) >= cpu.parts["the processes' interpreters"]
+    assert gpu.estimate < gpu.parts["the processes' CUDA contexts"] + sum(gpu.needs.values()) + \
+        gpu.parts["the float64 references the parent keeps"]

@@ -276,13 +276,14 @@ def test_the_memory_estimate_counts_the_first_repeats_copy():
     assert thrice.estimate - once.estimate == pytest.approx(2 * copy, rel=0.01)  # both families keep one copy
     shards = plan_tp(case, specs, [2])
     assert plan_memory(shards[1:], "cpu", None, repeats=3).estimate == plan_memory(shards[1:], "cpu", None).estimate
-    # below what the families side by side need, they take turns; below that with the copy, it is refused
-    in_turn = plan_memory(calls, "cpu", MemoryBudget(once.estimate - 1, "RAM", "a test budget"))
-    assert in_turn.serial and in_turn.estimate < once.estimate
-    budget = MemoryBudget(in_turn.estimate + copy // 2, "RAM", "a test budget")
-    plan_memory(calls, "cpu", budget)
+    # on a GPU, below what the families side by side need, they take turns; below that with the copy, it is refused
+    gpu = plan_memory(calls, "cuda", None)
+    in_turn = plan_memory(calls, "cuda", MemoryBudget(gpu.estimate - 1, "cuda:0", "a test budget", 80 << 30))
+    assert in_turn.serial and in_turn.estimate < gpu.estimate
+    budget = MemoryBudget(in_turn.estimate + copy // 2, "cuda:0", "a test budget", 80 << 30)
+    plan_memory(calls, "cuda", budget)
     with pytest.raises(BadInput, match="needs about"):
-        plan_memory(calls, "cpu", budget, repeats=3)
+        plan_memory(calls, "cuda", budget, repeats=3)
 
 
 # --- the repeats' arithmetic ----------------------------------------------------------------------------------

@@ -219,7 +219,8 @@ def test_one_layer_graph_at_a_time_gives_the_whole_graphs_dq_bitwise(fields, tp)
     case = make_case(batch=2, seq=32, seed=3, **fields)
     inputs = stacking.make_stack(case, 4, torch.device("cpu"), torch.bfloat16)
     local = stacking.BackendAttention(build(BASELINE), tp_shard(case, tp))
-    for attention, stack in ((local, inputs), (stacking.float64_attention(tp_shard(case, tp)), inputs.to(torch.float64))):
+    exact = stacking.float64_attention(tp_shard(case, tp))
+    for attention, stack in ((local, inputs), (exact, inputs.to(torch.float64))):
         got = stacking.stack_dqs(stack, case, attention, tp=tp)
         want = _whole_graph_dqs(stack, case, attention, tp=tp)
         assert [g.dtype for g in got] == [w.dtype for w in want] == [stack.x.dtype] * 4

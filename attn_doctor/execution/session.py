@@ -6,12 +6,13 @@ case) at a time, so a worker builds each case's inputs and maps its shared refer
 reference (a depth stack's too) is computed once, here in the parent, and mapped by the workers
 (`shared_reference`). Probes that cannot run here are SKIP rows without starting anything.
 
-Memory: each call of `run_groups` runs by the plan `attn_doctor.execution.budget.plan_memory` makes for its probes
-within the session's budget: as many workers per family as fit, else the families taking turns (a depth run always
-does: one depth at a time, the families in turn, one worker each), each process's allocator held to its share. A
-probe that runs out of memory all the same is put aside and retried once everything else is done, alone (every
-other worker closed, its cap the whole budget less the processes' fixed parts); if it still does not fit, its row
-says so (TOO-BIG: "does not fit in N GiB (needs about M GiB)"), neither a kernel's fault nor attn-doctor's.
+Memory: each call of `run_groups` runs by the plan `attn_doctor.execution.memory_plan.plan_memory` makes for
+its probes within the session's budget: as many workers per family as fit, else the families taking turns (a
+depth run always does: one depth at a time, the families in turn, one worker each), each process's allocator
+held to its share. A probe that runs out of memory all the same is put aside and retried once everything else
+is done, alone (every other worker closed, its cap the whole budget less the processes' fixed parts); if it
+still does not fit, its row says so (TOO-BIG: "does not fit in N GiB (needs about M GiB)"), neither a kernel's
+fault nor attn-doctor's.
 
 Ctrl-C (KeyboardInterrupt in the calling thread) kills every worker at once and starts nothing more: the
 groups already judged stay judged (and already handed to `on_group`), and the KeyboardInterrupt carries
@@ -197,7 +198,8 @@ class Session:
         callbacks run one at a time. Returns each group's judged rows, in order."""
         batch = _Batch(groups, on_row, on_group)
         units = self._assign(batch)
-        runnable = [batch.groups[g][i] for family_units in units.values() for g, indices in family_units for i in indices]
+        runnable = [batch.groups[group][i] for family_units in units.values() for group, indices in family_units
+                    for i in indices]
         plan = self.plan = plan_memory(runnable, self.device, self.budget, self.workers_per_family, self.repeats)
         self.references.max_live = plan.live_references
         self._hold_parent(plan)

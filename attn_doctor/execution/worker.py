@@ -52,7 +52,14 @@ def main(argv: list[str]) -> int:
 
     from attn_doctor.backends import Unsupported, build
     from attn_doctor.core.coords import Coords
-    from attn_doctor.core.errors import InternalError, KernelError, first_line, is_cuda_fault, is_out_of_memory, kernel_code
+    from attn_doctor.core.errors import (
+        InternalError,
+        KernelError,
+        first_line,
+        is_cuda_fault,
+        is_out_of_memory,
+        kernel_code,
+    )
     from attn_doctor.execution.shared_reference import open_tensors
     from attn_doctor.probes import Caches, run_probe
     from attn_doctor.tracing.replay_source import source_of
