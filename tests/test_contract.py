@@ -90,7 +90,7 @@ def test_bad_input_exits_2_with_one_line_and_nothing_written(name, tmp_path, mon
 def test_memory_refusal_gives_the_estimate_and_what_fits(tmp_path, monkeypatch, run_cli):
     monkeypatch.chdir(tmp_path)
     line = one_line_error(run_cli(["run", "--seq", "10000000", "--device", "cpu"]))
-    assert "PiB" in line and "local's worker" in line and "free in RAM at the start" in line
+    assert "PiB" in line and "local's probe" in line and "free in RAM at the start" in line
     fits = int(line.rsplit("the longest --seq that fits is about ", 1)[1].split()[0])
     assert 0 < fits < 10_000_000
     from attn_doctor.backends import select

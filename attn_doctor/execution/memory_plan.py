@@ -166,8 +166,8 @@ class MemoryPlan:
     parts: dict[str, int] = field(default_factory=dict)  # what needs it -> bytes, largest first
     fixed: dict[str, int] = field(default_factory=dict)  # process key ("parent" too) -> its fixed part
     fewer: str = ""  # what the plan ran with less than asked, and why ("" when nothing)
-    # What the parent's allocator reserved at its peak while the plan ran (the float64 references; measured on a
-    # GPU by the session, None before or elsewhere): beside each row's "allocator_peak_bytes", the plan checked
+    # What the parent's allocator reserved at its peak while the plan ran (the float64 references), measured on a
+    # GPU by the session (None before, and on the CPU): with each row's "allocator_peak_bytes", the plan checked
     parent_peak: int | None = None
 
     def alone_cap(self, key: str, kept: int = 0) -> int | None:
@@ -274,11 +274,10 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
         if total > budget.bytes:
             serial = True
             total, parts, live = _peak(demand, device, workers, serial)
-        if workers != asked or serial:
-            cut = ", ".join(f"{key} {workers[key]} of {asked[key]}" for key in asked if workers[key] < asked[key])
-            fewer = (f"{'workers at once: ' + cut if cut else ''}{'; ' if cut and serial else ''}"
-                     f"{'families take turns' if serial else ''}: side by side they would need more than "
-                     f"{budget.source}")
+        cut = [f"{key} {workers[key]} of {asked[key]}" for key in asked if workers[key] < asked[key]]
+        said = ([f"workers at once: {', '.join(cut)}"] if cut else []) + (["families take turns"] if serial else [])
+        if said:
+            fewer = f"{'; '.join(said)}: side by side they would need more than {budget.source}"
     if budget is not None and total > budget.bytes:
         raise BadInput(_refusal(coords_list, device, budget, total, parts, repeats))
     fixed = {"parent": process_bytes("parent", device)}
