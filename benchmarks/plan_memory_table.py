@@ -29,7 +29,7 @@ def grid() -> dict[str, tuple[list, int]]:
         "default run": (plan_calls(default, specs, []), 1),
         "sweep --layers 24": (plan_depth(default, specs, [24], [1]), 1),
         "sweep --layers 24,128": (plan_depth(default, specs, [24, 128], [1]), 1),
-        "run --batch 1 --heads 2 --seq 32768": (plan_calls(make_case(batch=1, heads=2, seq=32768), specs, []), 1),
+        "run --batch 1 --heads 1 --seq 32768": (plan_calls(make_case(batch=1, heads=1, seq=32768), specs, []), 1),
         "run --batch 1 --heads 1 --seq 131072": (plan_calls(make_case(batch=1, heads=1, seq=131072), specs, []), 1),
         "sweep --recipe te-coverage": ([c for p in plan_points(coverage, layouts) for c in p.coords(specs)], 2),
     }

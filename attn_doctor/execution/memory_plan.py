@@ -44,9 +44,15 @@ from attn_doctor.numerics.metrics import CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS
 # (benchmarks/RESULTS.md, "Memory"); on the CPU, the resident size of an interpreter with torch (and the family's
 # library) imported.
 PROCESS_BYTES = {
-    "cuda": {"parent": 620 * MIB, "te": 1100 * MIB, "default": 620 * MIB},
+    "cuda": {"parent": 620 * MIB, "te": 1100 * MIB, "default": 760 * MIB},
     "cpu": {"parent": 450 * MIB, "default": 400 * MIB},
 }
+# Per (query, key) pair of a case, what every worker holds for its masks and compared rows: measured on an H100
+# (seq 32768, 2 heads, bf16: PyTorch's math kernel's worker reserved 41.8 GiB where its scores take 32).
+PAIR_BYTES = 10
+# What a worker holds between its turns when the families take turns on a GPU (its last case's tensors, its
+# allocator's cache): measured 0.3 to 0.45 GiB beside its context on an H100 (depth 24 and 128).
+IDLE_BYTES = 512 * MIB
 # The tensors a worker keeps per case to spot a bitwise repeat of a compared tensor (`probes.caches.Measured`).
 MEASURED_LIMIT = {"cuda": 1 << 28, "cpu": 1 << 30}
 
@@ -91,6 +97,7 @@ def _call_need(coords: Coords, device: str, repeats: int, probes_in_unit: int) -
     q, kv = _elements(case)
     views = 2 if coords.layout == "head_slice" else 1  # the head_slice layout's wider buffers
     need = (2 * q + 2 * kv) * item * 3 + (q + 2 * kv) * item * (views - 1) + _comparison(max(q, kv), device)
+    need += PAIR_BYTES * case.seq * case.seq_kv  # the case's masks and compared rows, per (query, key) pair
     if repeats > 1 and coords.kind_rules.repeats:
         need += (2 * q + 2 * kv) * item
     path = backends.memory(coords.backend, case)
@@ -137,7 +144,8 @@ def reference_need(coords: Coords, device: str) -> tuple[int, int]:
     case = coords.case
     if coords.kind is ProbeKind.DEPTH:
         q, kv = _elements(case)
-        kept = coords.layers * q * 8  # every layer's dQ
+        # every layer's dQ; the allocator reserved 1.2 times their size at the 128-layer stack on an H100
+        kept = coords.layers * q * 8 * 6 // 5
         # the replica's own stack: every layer's input and the dQ so far take turns (a layer's input is dropped
         # as its dQ arrives), one layer's float64 attention (the exact reference's tiles, out, lse and gradients)
         attention = _reference(case, device)[1] + (2 * q + 2 * kv) * 8
@@ -237,7 +245,11 @@ def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -
     if serial and not retained:
         at_once = max(demand.needs.values(), default=0)
         key = max(demand.needs, key=demand.needs.get) if demand.needs else ""
+        idle = sum(min(IDLE_BYTES, demand.needs[other]) for other in workers if other != key)
         running = {f"{demand.names[key]}'s worker (families take turns)": at_once} if key else {}
+        if idle:
+            running["the other families' workers between their turns"] = idle
+        at_once += idle
     else:
         running = {f"the {key} workers ({count} at once, {demand.names[key]}'s probe the largest)"
                    if count > 1 else f"the {key} worker ({demand.names[key]}'s probe the largest)":

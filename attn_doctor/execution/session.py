@@ -230,8 +230,9 @@ class Session:
         import torch
 
         device = torch.device(self.device)
-        total = torch.cuda.get_device_properties(device).total_memory  # what torch's fraction is of
-        torch.cuda.set_per_process_memory_fraction(min(1.0, plan.parent_cap / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory  # what torch's fraction is of
+        torch.cuda.set_per_process_memory_fraction(min(1.0, plan.parent_cap / total), index)
 
     # -- planning --
 

@@ -137,8 +137,9 @@ def hold_to(cap: int | None, device) -> None:
         return
     import torch
 
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), index)
     _cap[0] = cap
 
 

@@ -27,7 +27,7 @@ env)
 transformer_engine.__version__, 'megatron-core', megatron.core.__version__)" > "$out/versions.txt" 2>&1
   ;;
 grid)
-  "${bench[@]}" run='run' L24-128='sweep --layers 24,128' seq32k='run --batch 1 --heads 2 --seq 32768' \
+  "${bench[@]}" run='run' L24-128='sweep --layers 24,128' seq32k='run --batch 1 --heads 1 --seq 32768' \
       seq128k='run --batch 1 --heads 1 --seq 131072' L24='sweep --layers 24'
   ;;
 coverage)
