@@ -152,7 +152,7 @@ def test_the_depth_sweep_of_the_design_card_plans_within_20_gib():
         plan = plan_memory(plan_depth(make_case(), specs, [layers], [1]), "cuda", _gpu(20))
         assert plan.serial and plan.estimate <= 20 * GIB, (layers, plan.parts)
     deep = plan_memory(plan_depth(make_case(), specs, [128], [1]), "cuda", _gpu(20))
-    assert deep.parts["the float64 references the parent keeps"] == 128 * 4 * 1024 * 1024 * 8 * 6 // 5
+    assert deep.parts["the float64 references the parent keeps"] == 128 * 4 * 1024 * 1024 * 8 * 5 // 4
 
 
 def test_a_depth_that_does_not_fit_is_refused_with_the_deepest_that_does():

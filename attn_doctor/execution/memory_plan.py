@@ -144,8 +144,9 @@ def reference_need(coords: Coords, device: str) -> tuple[int, int]:
     case = coords.case
     if coords.kind is ProbeKind.DEPTH:
         q, kv = _elements(case)
-        # every layer's dQ; the allocator reserved 1.2 times their size at the 128-layer stack on an H100
-        kept = coords.layers * q * 8 * 6 // 5
+        # every layer's dQ; the parent held 1.23 times their size beside its context at the 128-layer stack on an
+        # H100 (the allocator's blocks around them)
+        kept = coords.layers * q * 8 * 5 // 4
         # the replica's own stack: every layer's input and the dQ so far take turns (a layer's input is dropped
         # as its dQ arrives), one layer's float64 attention (the exact reference's tiles, out, lse and gradients)
         attention = _reference(case, device)[1] + (2 * q + 2 * kv) * 8

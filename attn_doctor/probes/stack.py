@@ -251,7 +251,8 @@ def stack_bytes(case: Case, layers: int, item: int, model_item: int, attention: 
     hidden = case.heads * case.head_dim
     qkv_out = (case.heads + 2 * case.kv_heads) * case.head_dim
     tokens = case.seq * case.batch
-    weights = layers * (qkv_out * hidden + hidden * hidden + 2 * qkv_out + 4 * hidden) * model_item
+    # each layer's small tensors (norms, biases) take allocator blocks of their own: about 1 MiB a layer, measured
+    weights = layers * ((qkv_out * hidden + hidden * hidden + 2 * qkv_out + 4 * hidden) * model_item + (1 << 20))
     cast = (qkv_out * hidden + hidden * hidden) * item if item != model_item else 0
     inputs = (layers + 1) * tokens * hidden * item  # with the last layer's output
     # 8 bytes an element whatever the dtype: a bf16 layer's backward makes fp32 temporaries (the layer norm's, the
