@@ -17,6 +17,7 @@ from attn_doctor.core.case import make_case
 from attn_doctor.core.errors import BadInput
 from attn_doctor.execution.budget import GIB, MIB, MemoryAsk, MemoryBudget, resolve_budget
 from attn_doctor.execution.memory_plan import plan_memory, process_bytes
+from attn_doctor.execution.shared_reference import ReferenceStore
 from attn_doctor.machine.memory import MemoryReading, read_free
 from attn_doctor.probes.plan import plan_calls, plan_depth, plan_points
 from cli_checks import one_line_error
@@ -254,3 +255,71 @@ def test_on_the_cpu_a_family_that_had_its_turn_still_counts():
     assert cpu.estimate - sum(cpu.needs.values()) >= cpu.parts["the processes' interpreters"]
     assert gpu.estimate < gpu.parts["the processes' CUDA contexts"] + sum(gpu.needs.values()) + \
         gpu.parts["the float64 references the parent keeps"]
+
+
+class _RecordingWorker:
+    """A worker that records its jobs and answers each from `answers` (default: a skip)."""
+
+    jobs: list = []
+    answers: list = []
+    closed: list = []
+
+    def __init__(self, family, device, timeout_s, environment=None):
+        self.family, self.hello, self.startup_seconds, self.environment = family, {}, 0.0, environment or {}
+
+    def ensure_started(self):
+        return None
+
+    def request(self, job, on_progress=None):
+        type(self).jobs.append(job)
+        return type(self).answers.pop(0) if type(self).answers else {"status": "skip", "reason": "recorded"}
+
+    def close(self, graceful=True):
+        type(self).closed.append(self.family)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    from attn_doctor.execution import session as session_module
+
+    _RecordingWorker.jobs, _RecordingWorker.answers, _RecordingWorker.closed = [], [], []
+    monkeypatch.setattr(session_module, "Worker", _RecordingWorker)
+    monkeypatch.setattr(session_module.Session, "_hold_parent", lambda self, plan: None)  # no GPU here
+    monkeypatch.setattr(ReferenceStore, "handle", lambda self, case, layers=None: None)  # no reference needed
+    monkeypatch.setattr(ReferenceStore, "_release_cached_memory", lambda self: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
+    return session_module
+
+
+def test_families_taking_turns_give_their_cache_back_after_each_job(recorded):
+    case = make_case(batch=1, seq=32, heads=2, head_dim=8)
+    with recorded.Session("cpu") as session:
+        session.run(plan_depth(case, select(["sdpa.math"]), [2], [1]))
+    assert _RecordingWorker.jobs and all(job["release"] for job in _RecordingWorker.jobs)
+    assert all(job["memory_cap"] is None for job in _RecordingWorker.jobs)  # no caps on the CPU
+    _RecordingWorker.jobs.clear()
+    with recorded.Session("cpu") as session:
+        session.run(plan_calls(case, select(["sdpa.math"]), ["contiguous"]))
+    assert _RecordingWorker.jobs and not any(job["release"] for job in _RecordingWorker.jobs)
+
+
+def test_each_worker_is_held_to_its_share_and_alone_to_the_whole_budget(recorded):
+    """On a GPU each job carries its worker's cap; a probe out of memory is asked again alone, every other worker
+    closed, with the whole budget less the fixed parts as its cap, and becomes TOO-BIG when it fails again."""
+    case = make_case(batch=1, seq=32, heads=2, head_dim=8)
+    budget = _gpu(24)
+    out_of_memory = {"status": "oom", "reason": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                     "tried": 2 * GIB, "reserved": 21 * GIB}
+    # the baseline answers first, then sdpa.math runs out of memory, beside the others and then alone
+    _RecordingWorker.answers = [{"status": "skip", "reason": "recorded"}, out_of_memory, out_of_memory]
+    with recorded.Session("cuda", budget=budget) as session:
+        rows = session.run(plan_calls(case, select(["sdpa.math"]), ["contiguous"]))
+        plan = session.plan
+    first, again = [job for job in _RecordingWorker.jobs if job["coords"]["backend"]["name"] == "sdpa.math"]
+    assert first["memory_cap"] == plan.worker_caps["sdpa"]
+    assert again["memory_cap"] == plan.alone_cap("sdpa")
+    assert "local" in _RecordingWorker.closed  # the others were closed before it ran alone
+    (row,) = [row for row in rows if row.backend == "sdpa.math"]
+    assert row.verdict == "TOO-BIG" and not row.internal
+    needs = float(row.reason.removeprefix("does not fit in 24.0 GiB (needs about ").split(" GiB)")[0])
+    assert needs >= 23.0  # what its worker held and the allocation that failed, with the processes' fixed parts

@@ -47,11 +47,8 @@ PROCESS_BYTES = {
     "cuda": {"parent": 620 * MIB, "te": 1100 * MIB, "default": 760 * MIB},
     "cpu": {"parent": 450 * MIB, "default": 400 * MIB},
 }
-# Per (query, key) pair of a case, what every worker holds for its masks and compared rows: measured on an H100
-# (seq 32768, 2 heads, bf16: PyTorch's math kernel's worker reserved 41.8 GiB where its scores take 32).
-PAIR_BYTES = 10
-# What a worker holds between its turns when the families take turns on a GPU (its last case's tensors, its
-# allocator's cache): measured 0.3 to 0.45 GiB beside its context on an H100 (depth 24 and 128).
+# What a worker holds between its turns when the families take turns on a GPU (its last case's tensors; it gives
+# its allocator's cache back after each job then): measured 0.3 to 0.45 GiB beside its context on an H100.
 IDLE_BYTES = 512 * MIB
 # The tensors a worker keeps per case to spot a bitwise repeat of a compared tensor (`probes.caches.Measured`).
 MEASURED_LIMIT = {"cuda": 1 << 28, "cpu": 1 << 30}
@@ -97,7 +94,6 @@ def _call_need(coords: Coords, device: str, repeats: int, probes_in_unit: int) -
     q, kv = _elements(case)
     views = 2 if coords.layout == "head_slice" else 1  # the head_slice layout's wider buffers
     need = (2 * q + 2 * kv) * item * 3 + (q + 2 * kv) * item * (views - 1) + _comparison(max(q, kv), device)
-    need += PAIR_BYTES * case.seq * case.seq_kv  # the case's masks and compared rows, per (query, key) pair
     if repeats > 1 and coords.kind_rules.repeats:
         need += (2 * q + 2 * kv) * item
     path = backends.memory(coords.backend, case)

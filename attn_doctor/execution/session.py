@@ -268,8 +268,11 @@ class Session:
         key = process_of(spec)[0]
         reference = self.references.handle(coords.case, coords.reference_layers)
         room = self._room(key, alone)
+        # families taking turns: each worker gives its allocator's cache back after each job, so that the next
+        # family's turn finds the memory free (a worker that measured a long case would otherwise keep it all)
         message = {"op": "run", "coords": coords.to_dict(), "reference": reference,
-                   "repeats": repeats_of(coords, self.repeats), "memory_cap": room}
+                   "repeats": repeats_of(coords, self.repeats), "memory_cap": room,
+                   "release": bool(self.plan and self.plan.serial)}
         starting.join()
         try:
             reply = worker.request(message, on_progress=lambda text: self.progress.note(f"{spec.name}: {text}"))

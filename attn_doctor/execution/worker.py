@@ -12,8 +12,9 @@ Errors are attributed: what the kernel under test raised is an "error" reply nam
 else that fails here is attn-doctor's own ("internal": true), never blamed on the kernel. Running out of memory is
 neither: an "oom" reply, with what the allocator held and the allocation that failed, after which the worker
 frees what it keeps (the parent retries the probe alone). A job's "memory_cap" (bytes) holds this process's
-allocator to its share of the budget (torch's per-process memory fraction) for that job; on a GPU the reply's
-extra says what the allocator reserved at the probe's peak ("allocator_peak_bytes").
+allocator to its share of the budget (torch's per-process memory fraction) for that job, and "release" gives the
+allocator's cache back after it (the families take turns); on a GPU the reply's extra says what the allocator
+reserved at the probe's peak ("allocator_peak_bytes").
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def main(argv: list[str]) -> int:
                 return 3
         finally:
             caches.share(None)
+            if request.get("release") and device.type == "cuda":
+                torch.cuda.empty_cache()  # the families take turns: the next one's turn needs this memory
     return 0
 
 
