@@ -40,7 +40,7 @@ def _role(pid: int, root: int) -> str:
     return " ".join(words[:3])
 
 
-def _descendants(root: int) -> set[int]:
+def process_tree(root: int) -> set[int]:
     """`root` and every process under it, from /proc."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -99,7 +99,7 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             used = self.used() - self.baseline
-            ours = _descendants(self._root)
+            ours = process_tree(self._root)
             processes = {pid: used_by for pid, used_by in self.processes().items() if pid in ours}
             for pid, used_by in processes.items():
                 self.per_process[pid] = max(self.per_process.get(pid, 0), used_by)

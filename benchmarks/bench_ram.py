@@ -16,23 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _tree(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo += children.get(pid, [])
-    return found
+from bench_memory import process_tree  # the process and every one under it, from /proc
 
 
 def _pss(pid: int) -> int:
@@ -50,7 +34,7 @@ def main(command: list[str]) -> int:
     proc = subprocess.Popen(command)
     peak = 0
     while proc.poll() is None:
-        peak = max(peak, sum(_pss(pid) for pid in _tree(proc.pid)))
+        peak = max(peak, sum(_pss(pid) for pid in process_tree(proc.pid)))
         time.sleep(0.2)
     print(json.dumps({"command": command, "exit": proc.returncode, "peak_pss_gib": round(peak / 2**30, 2),
                       "wall_s": round(time.perf_counter() - started, 1)}))

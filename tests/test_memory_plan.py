@@ -323,3 +323,18 @@ def test_each_worker_is_held_to_its_share_and_alone_to_the_whole_budget(recorded
     assert row.verdict == "TOO-BIG" and not row.internal
     needs = float(row.reason.removeprefix("does not fit in 24.0 GiB (needs about ").split(" GiB)")[0])
     assert needs >= 23.0  # what its worker held and the allocation that failed, with the processes' fixed parts
+
+
+def test_the_plan_table_the_readme_points_to_still_runs(capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "plan_memory_table.py"
+    spec = importlib.util.spec_from_file_location("plan_memory_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.main(["--budgets", "75,24"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    assert len(rows) == 6
+    deep = next(line for line in rows if "--layers 24,128" in line)
+    assert "in turn" in deep and "refused" not in deep  # the design card's depth sweep fits 24 GiB
+    assert "refused" in next(line for line in rows if "131072" in line)
