@@ -140,3 +140,13 @@ def test_a_call_outside_any_numbered_layer_is_listed_with_those_inside_one(captu
     result = run_cli(["replay", root, *REPLAY, "--out", tmp_path / "out"])
     assert result.exit_code == 0, result.output
     assert "2 calls, 1 distinct" in result.stdout and "layers 0, none" in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=IDS)
+def test_compare_reads_captured_values_through_the_same_check(damage, capture, tmp_path, run_cli):
+    """compare judges nothing on values that are gone or do not fit either: one line naming the call and the file,
+    exit 2 (before, a traceback, or the call silently left out)."""
+    root = shutil.copytree(capture, tmp_path / "capture")
+    words = damage(root, 1)
+    line = one_line_error(run_cli(["compare", capture, root]))
+    assert f"{root}: rank 0, call 1 of process" in line and words in line, line

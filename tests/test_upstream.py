@@ -111,3 +111,18 @@ def test_another_softmax_scale_differs_and_rounding_settings_are_said(tmp_path):
     upstream, found = _check(_capture(tmp_path / "c"), _capture(tmp_path / "d", softmax_in_fp32=False))
     assert not upstream.differs and found["settings"].text == ("settings that change the rounding only differ: "
                                                               "softmax in fp32 True and False")
+
+
+def test_compare_of_runs_that_differ_upstream_prints_no_empty_table(tmp_path, run_cli):
+    """Runs that are not the same model judge no kernel; where no layer was recorded by both, there is no table to
+    print, and none is printed (before: a table of headers alone)."""
+    from attn_doctor.tracing import store
+
+    redrawn = {name: t + 1 for name, t in WEIGHTS.items()}
+    runs = [_capture(tmp_path / "a"), _capture(tmp_path / "b", redrawn)]
+    for root in runs:  # the header a capture starts with, and no call recorded with values
+        store.write_json(root / store.HEADER, {"format": store.FORMAT, "format_version": store.FORMAT_VERSION})
+    result = run_cli(["compare", *runs])
+    assert result.exit_code == 1, result.output
+    assert "the runs' weights differ" in result.output
+    assert "A vs B" not in result.output and "inputs' part" not in result.output

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from attn_doctor.results.report import RunReport
 
 EXIT_OK, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+# A bare `attn-doctor` (click 8.2 and later raise this; older ones print the help themselves)
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 RESULTS_DIR = Path("attn-doctor-results")  # the default output folder, in the current directory
 
 
@@ -84,6 +86,17 @@ class Application:
             path = RESULTS_DIR / f"{kind}-{stamp}-{suffix}"
         check_output(path, option, directory=True)
         return path
+
+    def say(self, label: str, text: str) -> None:
+        """One line a reader copies (a file it wrote, the next command to run): `label` then `text`, never wrapped,
+        whatever the width; a reader copying it from a narrow terminal, a file or a pipe gets it whole."""
+        self.console.print(f"{label:<8} {text}", soft_wrap=True)
+
+    def say_command(self, label: str, *words: str | Path) -> None:
+        """`say` an attn-doctor command, its paths quoted for a shell."""
+        import shlex
+
+        self.say(label, " ".join(["attn-doctor", *(shlex.quote(str(word)) for word in words)]))
 
     def kept_elsewhere(self, why: str, saved: Path) -> int:
         """The output could not go where it was asked (exit 2); what was made is kept at `saved`."""
@@ -153,6 +166,9 @@ class DoctorGroup(click.Group):
         try:
             code = super().main(args, prog_name or "attn-doctor", complete_var, standalone_mode=False, obj=app,
                                 **extra)
+        except _NO_ARGS_IS_HELP as exc:  # a bare `attn-doctor`: its help, as click shows it
+            exc.show()
+            sys.exit(EXIT_BAD_INPUT)
         except click.UsageError as exc:
             hint = f" (see `attn-doctor {exc.ctx.info_name} --help`)" if exc.ctx and exc.ctx.parent else ""
             click.echo(f"attn-doctor: error: {exc.format_message()}{hint}", err=True)

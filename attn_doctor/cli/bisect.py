@@ -3,11 +3,10 @@ and a standalone repro."""
 
 from __future__ import annotations
 
-import shlex
-
 import click
 
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
+from attn_doctor.cli.epilogs import epilog
 from attn_doctor.cli.options import (INDEX, INPUT_ANY, OUTPUT_FILE, OUTPUT_FOLDER, REPEATS, SIZE, backend_options,
                                      build_case, case_options, given, refuse_ignored)
 from attn_doctor.core.errors import BadInput
@@ -15,7 +14,7 @@ from attn_doctor.core.layouts import canonical_layouts
 from attn_doctor.core.probe_kinds import rules_for
 
 
-@click.command()
+@click.command(epilog=epilog("bisect"))
 @case_options
 @backend_options
 @click.option("--tp", type=SIZE, default=1, show_default=True,
@@ -36,7 +35,7 @@ from attn_doctor.core.probe_kinds import rules_for
 def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memory, timeout, tp, layers, from_results,
            row_index, repeats, json_path, out_dir, **case_flags) -> int:
     """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
-    standalone repro script. Exit 0 when bisected, 1 when the start does not fail, 2 on bad input."""
+    standalone repro script."""
     from attn_doctor.machine.devices import check_device_name
 
     check_device_name(device)
@@ -102,7 +101,7 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memo
         raise Interrupted("the bisect was stopped before it finished; nothing was written") from None
     for renderable in bisect_tables(report.result, start.backend.name, report.diagnosis):
         console.print(renderable)
-    console.print(f"repro:   {report.repro}  (python3 {report.repro.name}: exit 1 while wrong, 0 when fixed)")
+    app.say("repro:", f"{report.repro}  (python3 {report.repro.name}: exit 1 while wrong, 0 when fixed)")
     minimal = report.result.minimal
     if minimal.layers:
         console.print("note: the failure needs depth; the repro checks the single call of the minimal case, "
@@ -110,10 +109,10 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memo
     document = dumps(report.to_dict())
     for label, path in [("bisect:", directory / report.file_name), *([("json:", json_path)] if json_path else [])]:
         saved, why = write_or_keep(path, document)
-        console.print(f"{label:<8} {saved}")
+        app.say(label, str(saved))
         if why:
             return app.kept_elsewhere(why, saved)
-    console.print(f"issue:   attn-doctor report {shlex.quote(str(directory / report.file_name))} --format issue")
+    app.say_command("issue:", "report", directory / report.file_name, "--format", "issue")
     return EXIT_OK
 
 

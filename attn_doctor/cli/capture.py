@@ -14,6 +14,7 @@ import click
 
 import attn_doctor
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
+from attn_doctor.cli.epilogs import epilog
 from attn_doctor.cli.options import OUTPUT_FOLDER, given, int_list, refuse_ignored
 from attn_doctor.core.errors import BadInput
 
@@ -48,7 +49,8 @@ def _check_command(command: tuple[str, ...]) -> None:
         raise BadInput(f"RANK={rank!r} in the environment is not a rank number; unset it or set it as torchrun does")
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+               epilog=epilog("capture"))
 @click.option("--out", "out", required=True, type=OUTPUT_FOLDER,
               help="The capture folder (created; calls of every rank go under it).")
 @click.option("--values", is_flag=True, help="Also record the tensors' values (forward and output gradient) of "
@@ -131,5 +133,5 @@ def capture(app: Application, out: Path, values: bool, layers: str | None, steps
                        "torch scaled_dot_product_attention, flash-attn, Megatron-Core's DotProductAttention; "
                        "name another with --module PKG.Class), or it is not a Python program")
     click.echo(summary)
-    click.echo(f"replay:  attn-doctor replay {out}")
+    app.say_command("replay:", "replay", out)
     return EXIT_OK

@@ -12,10 +12,11 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application
+from attn_doctor.cli.epilogs import epilog
 from attn_doctor.cli.options import INPUT_FOLDER, OUTPUT_FILE
 
 
-@click.command()
+@click.command(epilog=epilog("compare"))
 @click.argument("capture_a", type=INPUT_FOLDER)
 @click.argument("capture_b", type=INPUT_FOLDER)
 @click.option("--json", "json_path", type=OUTPUT_FILE,
@@ -36,7 +37,9 @@ def compare(app: Application, capture_a: Path, capture_b: Path, json_path: Path 
     comparison = compare_captures(capture_a, capture_b, (f"A ({capture_a})", f"B ({capture_b})"))
     for line in comparison.upstream.lines():  # the same model, data and settings? before any kernel
         app.console.print(f"- {line}")
-    app.console.print(comparison_table(comparison, f"A = {capture_a}, B = {capture_b}"))
+    table = comparison_table(comparison, f"A = {capture_a}, B = {capture_b}")
+    if table.row_count:  # runs that differ upstream may have no layer both recorded: no empty table
+        app.console.print(table)
     for line in comparison.account():  # the three questions, then the answer
         app.console.print(f"- {line}")
     app.console.print(comparison.answer())

@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from attn_doctor.cli.app import EXIT_OK, Application
+from attn_doctor.cli.epilogs import epilog
 
 
-@click.command()
+@click.command(epilog=epilog("env"))
 @click.option("--json", "as_json", is_flag=True, help="Print the fingerprint (and the matching defects) as JSON.")
 @click.option("--no-te", is_flag=True, help="Do not import TE (skips the probe subprocess).")
 @click.pass_obj

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application
+from attn_doctor.cli.epilogs import epilog
 from attn_doctor.cli.options import INDEX, INPUT_FOLDER, OUTPUT_FOLDER, SEED, backend_options, repeats_option
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
@@ -21,7 +22,7 @@ def _span(values: list[int | None]) -> str:
     return ", ".join(part for part in (text, "none" if None in values else "") if part)
 
 
-@click.command()
+@click.command(epilog=epilog("replay"))
 @click.argument("capture_dir", type=INPUT_FOLDER)
 @click.option("--call", "call_index", type=INDEX, help="Only the call of this index (of each rank's process).")
 @click.option("--layer", type=INDEX, help="Only the calls of this layer.")
@@ -62,8 +63,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
         chosen = readable or (recorded or members)[0]
         problem = chosen.values_problem() if readable is None else None
         if problem is not None:
-            unreadable.append(f"rank {chosen.rank}, call {chosen.index} of process {chosen.meta['process']['pid']} "
-                              f"(layer {chosen.meta.get('layer')}): {problem}")
+            unreadable.append(f"{chosen.where()}: {problem}")
         case = problem or case_of(chosen, capture_dir, seed)
         tp_ranks = [c.meta.get("parallel", {}).get("tp_rank") for c in members]
         where = (f"{len(members)} call{'s' * (len(members) > 1)}: {members[0].meta['api']}, ranks "

@@ -7,13 +7,14 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import EXIT_OK, RESULTS_DIR, Application
+from attn_doctor.cli.epilogs import epilog
 from attn_doctor.cli.options import INPUT_ANY, OUTPUT_FILE, OUTPUT_FOLDER
 from attn_doctor.core.errors import BadInput
 
 PASTED_FORMATS = ("issue", "markdown")  # pasted where others read them: redacted and within GitHub's limit
 
 
-@click.command()
+@click.command(epilog=epilog("report"))
 @click.argument("results", nargs=-1, type=INPUT_ANY)
 @click.option("--format", "fmt", type=click.Choice(["markdown", "issue", "html", "csv", "json"]), default="markdown",
               show_default=True, help="issue: a GitHub issue body for NVIDIA/TransformerEngine's tracker.")

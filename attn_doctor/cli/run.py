@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from attn_doctor.cli.app import Application, Interrupted
+from attn_doctor.cli.epilogs import epilog
 from attn_doctor.cli.options import (
     OUTPUT_FILE,
     backend_options,
@@ -22,7 +23,7 @@ from attn_doctor.core.coords import CP_COMM_TYPES
 from attn_doctor.core.layouts import canonical_layouts
 
 
-@click.command()
+@click.command(epilog=epilog("run"))
 @case_options
 @backend_options
 @click.option("--json", "json_path", type=OUTPUT_FILE,
@@ -105,5 +106,6 @@ def _show_and_save(app: Application, report, out_path: Path, wide: bool, title: 
     for renderable in run_view(report, title=title, wide=wide):
         console.print(renderable)
     print_defects(console, report, "Known TE/cuDNN defects that match this machine and case:")
-    console.print(f"results: {saved}\nreport:  attn-doctor report {saved} --format markdown")
+    app.say("results:", str(saved))
+    app.say_command("report:", "report", saved, "--format", "markdown")
     return saved, why

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from attn_doctor.cli.app import Application, Interrupted
+from attn_doctor.cli.epilogs import epilog
 from attn_doctor.cli.options import (
     INPUT_FOLDER,
     OUTPUT_FOLDER,
@@ -20,7 +21,7 @@ from attn_doctor.core.errors import BadInput
 from attn_doctor.core.layouts import canonical_layouts
 
 
-@click.command()
+@click.command(epilog=epilog("sweep"))
 @grid_options
 @backend_options
 @click.option("--resume", type=INPUT_FOLDER,
@@ -95,10 +96,10 @@ def execute(app: Application, request, interrupted: str) -> int:
     saved, why = sweeping.save(report, directory)  # first: what is printed may not get through
     for renderable in sweep_view(report):
         app.console.print(renderable)
-    app.console.print(f"results: {saved} (streamed: {plan.log.path})")
+    app.say("results:", f"{saved} (streamed: {plan.log.path})")
     if report.artifacts.get("plot"):
-        app.console.print(f"plot:    {directory / report.artifacts['plot']}")
-    app.console.print(f"report:  attn-doctor report {directory} --format markdown")
+        app.say("plot:", str(directory / report.artifacts["plot"]))
+    app.say_command("report:", "report", directory, "--format", "markdown")
     if why:
         return app.kept_elsewhere(why, saved)
     return app.exit_code(report)

@@ -169,7 +169,8 @@ def read_json(path: Path) -> Any:
 
     def unreadable(exc: OSError | UnicodeDecodeError) -> BadInput:
         if isinstance(exc, FileNotFoundError):
-            return BadInput(f"no results file {path}; run `attn-doctor run --json {path}` first")
+            return BadInput(f"no results file {path}: it does not exist; check the path (a results.json that run, sweep "
+                            "or replay wrote, their folder, or a bisect document)")
         return BadInput(f"cannot read {path}: {exc}")
 
     def malformed(exc: json.JSONDecodeError) -> BadInput:

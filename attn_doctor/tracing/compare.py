@@ -533,6 +533,12 @@ def compare_captures(root_a: Path, root_b: Path, labels: tuple[str, str] | None 
     by layer, the calls both captures have values of (see the module docstring)."""
     labels = labels or (str(root_a), str(root_b))
     calls_a, calls_b = read_capture(root_a), read_capture(root_b)
+    for root, calls in ((root_a, calls_a), (root_b, calls_b)):  # the check replay reads values through
+        for call in calls:
+            problem = call.values_problem() if call.meta.get("values") else None
+            if problem is not None:
+                raise BadInput(f"{root}: {call.where()}: {problem}; capture it again (compare reads every recorded "
+                               "value)")
     upstream = check_upstream((root_a, root_b), (calls_a, calls_b), labels)
     a, b = _values_by_layer(calls_a), _values_by_layer(calls_b)
     common = sorted(set(a) & set(b))

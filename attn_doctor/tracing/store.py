@@ -214,6 +214,11 @@ class CapturedCall:
     def dout_path(self) -> Path | None:
         return self._file(".dout.safetensors")
 
+    def where(self) -> str:
+        """The call as a person finds it in the capture: "rank 0, call 3 of process 4242 (layer 1)"."""
+        pid, layer = self.meta["process"]["pid"], self.meta.get("layer")
+        return f"rank {self.rank}, call {self.index} of process {pid} (layer {layer})"
+
     def values_problem(self) -> str | None:
         """Why the values recorded for this call cannot be used, or None: its forward's values file is gone,
         damaged, or holds other tensors than the call's q, k, v (by name and shape), or its output gradient's
