@@ -443,3 +443,74 @@ def test_a_path_that_is_not_results_exits_2_with_one_line(case, fmt, tmp_path, r
     path, needle = case(tmp_path)
     line = one_line_error(run_cli(["report", path, "--format", fmt]))
     assert needle in line, line
+
+
+# --- every fact is the failing row's own (issue 50): the builds it read back, and the run's other builds ----------
+
+TWO_BUILDS = HERE.parent / "reports" / "h200" / "cudnn" / "run-2" / "run-thd-head-dim.json"  # an H100 run
+
+
+def _two_builds(tmp_path: Path, change=None) -> Path:
+    """The committed run of the thd head-dim fault on cuDNN 9.14.0 (FAIL) and 9.19.0 (PASS), on a machine whose TE
+    loads 9.19.0 by default; `change(rows)` edits its rows."""
+    document = json.loads(TWO_BUILDS.read_text())
+    if change is not None:
+        change(document["results"])
+    return write_doc(tmp_path / "results.json", document)
+
+
+def _te_rows(rows: list[dict], build: str) -> list[dict]:
+    return [r for r in rows if r["backend"] == f"te.fused@cudnn-{build}"]
+
+
+def test_the_title_description_and_environment_name_the_failing_rows_build(tmp_path, report_of, no_known):
+    issue = report_of(_two_builds(tmp_path))
+    title, table_row = issue.splitlines()[0], next(l for l in issue.splitlines() if l.startswith("| cuDNN version"))
+    assert "fails with cuDNN 9.14.0, passes with 9.19.0" in title and "cuDNN 9.19.0," not in title
+    assert "ran on cuDNN 9.14.0 (read back" in issue
+    assert table_row.startswith("| cuDNN version | 9.14.0, loaded by TE for the failing call (read back)")
+    assert "the machine's: 9.19.0 (91900) loaded by TE" in table_row  # the default, said as such
+
+
+def test_one_build_alone_is_named_as_read_back_not_the_machines_default(tmp_path, report_of, no_known):
+    def drop_the_other_build(rows):
+        rows[:] = [r for r in rows if r["backend"] != "te.fused@cudnn-9.19.0"]
+
+    issue = report_of(_two_builds(tmp_path, drop_the_other_build))
+    title = issue.splitlines()[0]
+    assert "cuDNN 9.14.0" in title and "9.19.0" not in title and "passes with" not in issue
+
+
+def test_the_other_side_a_fault_of_the_newer_build_is_not_called_fixed(tmp_path, report_of, no_known):
+    """The same rows with the verdicts swapped: it fails with 9.19.0 and passes with 9.14.0."""
+    def swap(rows):
+        failing, passing = _te_rows(rows, "9.14.0"), _te_rows(rows, "9.19.0")
+        for row in failing:
+            row["verdict"], row["reason"] = "PASS", ""
+            row["tensors"] = {name: {**t, "verdict": "PASS"} for name, t in row["tensors"].items()}
+        for row, bad in zip(passing, failing):
+            row["verdict"], row["reason"], row["tensors"] = "FAIL", "dv wrong", copy.deepcopy(bad["tensors"])
+            row["tensors"]["dv"]["verdict"] = "FAIL"
+
+    issue = report_of(_two_builds(tmp_path, swap))
+    title = issue.splitlines()[0]
+    assert "fails with cuDNN 9.19.0, passes with 9.14.0" in title and "fixed by" not in title
+
+
+def test_markdown_and_html_state_the_same_builds(tmp_path, report_of, no_known):
+    path = _two_builds(tmp_path)
+    markdown = report_of(path, "--format", "markdown")
+    html = report_of(path, "--format", "html")
+    sentence = ("te.fused@cudnn-9.14.0 ran on cuDNN 9.14.0 (read back from the library in the failing call's "
+                "process); on this run's other builds: fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0.")
+    assert f"**Builds:** {sentence}" in markdown
+    assert "<strong>Builds:</strong> " + sentence.replace("'", "&#x27;") in html
+
+
+def test_a_path_that_reads_back_no_cudnn_is_not_given_one_it_did_not_use():
+    from attn_doctor.render.report_data import row_builds
+
+    report = RunReport.from_dict(json.loads(TWO_BUILDS.read_text()))
+    local = next(r for r in report.rows if r.backend == "local")
+    builds = row_builds(local, report.rows, env=report.env)
+    assert builds.cudnn is None and builds.versions() == [] and builds.sentence("local") == ""

@@ -28,6 +28,7 @@ from attn_doctor.render.report_data import (
     Fault,
     Figure,
     ReportData,
+    RowBuilds,
     code_locations,
     te_install,
     template_environment,
@@ -57,7 +58,7 @@ def report_issue(data: ReportData) -> str:
     top += ["**Describe the bug**", "", summary(fault), ""]
     top += minimal_case(fault)
     after = expected(fault)
-    bottom = environment(data.report) + additional_context(data.report)
+    bottom = environment(data.report, fault.builds) + additional_context(data.report)
     sections = [right_paths_section(fault), known_section(data.known), locations_section(data.known),
                 faults_section(fault)]
     shown = [s for s in sections if s is not None]
@@ -117,14 +118,9 @@ def issue_title(fault: Fault, report: RunReport) -> str:
     when = f"on {row.case.short()}" + (f", {row.layout} q/k/v" if row.layout != "contiguous" else "")
     if fault.bisect is not None and fault.bisect.necessary:
         when = "when " + ", ".join(condition_text(c) for c in fault.bisect.necessary)
-    versions = []
     env = report.env
-    if env is not None:
-        cudnn = env.te_cudnn.value or env.torch_cudnn.value
-        across = fault.bisect.cudnn_sentence() if fault.bisect is not None else ""
-        versions = [*([f"TE {env.te.value}"] if env.te.value else []),
-                    *([across] if across else [f"cuDNN {cudnn.split(' ')[0]}"] if cudnn else []),
-                    *(g.name for g in env.gpus[:1])]
+    versions = [*([f"TE {env.te.value}"] if env is not None and env.te.value else []), *fault.builds.versions(),
+                *(g.name for g in env.gpus[:1] if env is not None)]
     prefix = "[PyTorch] " if row.family == "te" else ""
     return f"{prefix}{path_name(row)} {what} {when}" + (f" ({', '.join(versions)})" if versions else "")
 
@@ -151,7 +147,8 @@ def summary(fault: Fault) -> str:
         text += f" On the same inputs {escape(row.backend)} itself is right {on_layouts}."
     if fault.found_on is not None:
         text += f" attn-doctor bisected it from {escape(fault.found_on.coords.describe())} down to this case."
-    return text
+    builds = fault.builds.sentence(path_name(row))
+    return f"{text} {escape(builds)}" if builds else text
 
 
 def worst_sentence(worst: Figure, dtype: str) -> str:
@@ -285,8 +282,9 @@ def faults_section(fault: Fault) -> Section | None:
                      "--format html` shows every row):"), ""], items, [""], share=0.30)
 
 
-def environment(report: RunReport) -> list[str]:
-    """The template's environment overview (what attn-doctor cannot know is asked for) and details."""
+def environment(report: RunReport, builds: RowBuilds | None = None) -> list[str]:
+    """The template's environment overview (what attn-doctor cannot know is asked for) and details, with the
+    builds the failing row read back (`builds`)."""
     env = report.env
     lines = ["**Environment overview**", ""]
     if env is None:
@@ -295,8 +293,8 @@ def environment(report: RunReport) -> list[str]:
     lines += ["- Environment location: not recorded by attn-doctor; state bare-metal, Docker (image and tag) or cloud.",
               (f"- Method of Transformer Engine install: {escape(te_install(env))}; state the exact command (pip, or "
                "a source build)."), "", "**Environment details**", ""]
-    return lines + [table(["", ""], [[escape(label), escape(value)] for label, value in template_environment(env)]),
-                    ""]
+    return lines + [table(["", ""], [[escape(label), escape(value)]
+                                     for label, value in template_environment(env, builds)]), ""]
 
 
 def additional_context(report: RunReport) -> list[str]:

@@ -85,9 +85,10 @@ class ReportData:
         return self.bisects[0] if self.bisects and self.source == self.bisects[0].path else None
 
     @cached_property
-    def fault(self) -> Fault | None:
-        """The fault an issue is about (None when nothing failed): a bisected one first (at its minimal
-        case), else the worst failing row (NaN/Inf, then the largest ratio; a crash last)."""
+    def filed(self) -> tuple[BisectRecord | None, Row, list[Row]] | None:
+        """(the bisect, the row, every row it is seen among) of the fault an issue is about (None when nothing
+        failed): a bisected one first (at its minimal case), else the worst failing row (NaN/Inf, then the largest
+        ratio; a crash last)."""
         failing = self.report.failing_rows
         if not failing:
             return None
@@ -97,8 +98,25 @@ class ReportData:
             bisect, row = max(bisected, key=lambda pair: severity(pair[1]))
         else:
             bisect, row = None, max(failing, key=severity)
-        found_on = bisect.start_row if bisect is not None and bisect.start_row is not row else None
         rows = self.report.rows + (bisect.rows if bisect is not None and bisect is not self.bisect_report else [])
+        return bisect, row, rows
+
+    @cached_property
+    def builds(self) -> RowBuilds | None:
+        """What the filed fault's row ran on, read back (`row_builds`): every format states these."""
+        if self.filed is None:
+            return None
+        bisect, row, rows = self.filed
+        return row_builds(row, rows, bisect, self.report.env)
+
+    @cached_property
+    def fault(self) -> Fault | None:
+        """The fault an issue is about (`filed`), with its figures, the paths right on its inputs and its repro."""
+        if self.filed is None:
+            return None
+        bisect, row, rows = self.filed
+        failing = self.report.failing_rows
+        found_on = bisect.start_row if bisect is not None and bisect.start_row is not row else None
         right = [r for shown in (row, found_on) if shown is not None for r in right_paths(rows, shown)]
         if bisect is not None:
             repro_name, repro = bisect.repro_name, bisect.repro
@@ -108,7 +126,7 @@ class ReportData:
         others = self.report.faulty if any(r.coords not in covered for r in failing) else []
         return Fault(row=row, found_on=found_on, bisect=bisect, figures=tensor_figures(row), right=right,
                      bisect_command=self.bisect_command(row) if bisect is None else None, repro_name=repro_name,
-                     repro_script=repro, faulty_paths=others)
+                     repro_script=repro, faulty_paths=others, builds=self.builds)
 
     def bisect_command(self, row: Row) -> str | None:
         """The `attn-doctor bisect --from` command that starts from the document's failing `row` (None where
@@ -118,6 +136,76 @@ class ReportData:
         index = self.report.failing_rows.index(row)
         command = f"attn-doctor bisect --from {shlex.quote(str(self.source))}"
         return command + (f" --row {index}" if index else "")
+
+
+@dataclass(frozen=True)
+class RowBuilds:
+    """The library builds a failing row ran on, as the row read them back (never the machine's defaults, which
+    another build may have replaced for that row: `--cudnn`), and how the same path went on the run's other builds:
+    what the issue's title, description and environment table, and the markdown and HTML reports, state."""
+
+    cudnn: str | None  # the cuDNN version the row ran on ("9.14.0"); None where nothing says
+    flash_attn: str | None  # the FlashAttention version TE's flash path ran ("4.0.0b36"); None elsewhere
+    elsewhere: str = ""  # "fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0", or ""
+    # "" where the row read `cudnn` back itself (TE's rows since per-row read-back); else whose the machine's is
+    # ("TE", "PyTorch"), as its fingerprint read it: what that library loads where no build was asked for
+    loaded_by: str = ""
+
+    def versions(self) -> list[str]:
+        """For a title: the other builds' outcome where there is one, else the row's own builds."""
+        if self.elsewhere:
+            return [self.elsewhere]
+        return ([f"cuDNN {self.cudnn}"] if self.cudnn else []) + (
+            [f"FlashAttention {self.flash_attn}"] if self.flash_attn else [])
+
+    def sentence(self, path: str) -> str:
+        """One sentence for a description ("" when the row read back no build)."""
+        ran = ([f"cuDNN {self.cudnn}"] if self.cudnn else []) + (
+            [f"FlashAttention {self.flash_attn}"] if self.flash_attn else [])
+        if not ran:
+            return ""
+        how = (f"the one {self.loaded_by} loads on this machine" if self.loaded_by else
+               "read back from the library in the failing call's process")
+        also = f"; on this run's other builds: {self.elsewhere}" if self.elsewhere else ""
+        return f"{path} ran on {' and '.join(ran)} ({how}){also}."
+
+
+_FLASH_RAN = re.compile(r"FlashAttention \(version ([^)]+)\)")
+
+
+def row_builds(row: Row, rows: list[Row], bisect: BisectRecord | None = None,
+               env: EnvReport | None = None) -> RowBuilds:
+    """What `row` ran on, read back, and how the same path went on the other cuDNN builds of `rows` (the same case
+    and layout on another build's path, `te.fused@cudnn-9.19.0` beside `te.fused@cudnn-9.14.0`), or, for a bisect,
+    on the builds its cuDNN knob tried. A row that read back no cuDNN (PyTorch's cuDNN kernel; a TE row of a document
+    made before rows read theirs) ran on what its library loads on the machine (`env`, its fingerprint). The one
+    place every format takes these facts from."""
+    from attn_doctor.backends import without_build
+    from attn_doctor.machine.cudnn_builds import builds_sentence, version_order
+
+    cudnn = row.extra.get("cudnn")
+    cudnn = str(cudnn) if isinstance(cudnn, (str, int)) and cudnn else None
+    read_back, loaded_by = cudnn is not None, ""
+    if cudnn is None and env is not None:  # what the library loads where no build was asked for
+        loaded_by, machine = (("TE", env.te_cudnn) if row.family == "te" else
+                              ("PyTorch", env.torch_cudnn) if row.coords.backend.options.get("kernel") == "cudnn" else
+                              ("", None))
+        cudnn = machine.value.split()[0] if machine is not None and machine.value else None
+    flash = _FLASH_RAN.search(row.ran or "")
+    elsewhere = bisect.cudnn_sentence() if bisect is not None else ""
+    if not elsewhere and read_back:
+        path = without_build(row.backend)
+        outcomes: dict[str, set[str]] = {}
+        for other in rows:
+            seen = other.extra.get("cudnn")
+            if (without_build(other.backend) == path and other.case.key() == row.case.key()
+                    and other.layout == row.layout and seen and other.verdict in (PASS, FAIL, "ERROR")):
+                outcomes.setdefault("pass" if other.verdict == PASS else "fail", set()).add(str(seen))
+        failing, passing = outcomes.get("fail", set()), outcomes.get("pass", set())
+        elsewhere = builds_sentence(sorted(failing - passing, key=version_order),
+                                    sorted(passing - failing, key=version_order))
+    return RowBuilds(cudnn=cudnn, flash_attn=flash.group(1) if flash else None, elsewhere=elsewhere,
+                     loaded_by=loaded_by if cudnn else "")
 
 
 def severity(row: Row) -> tuple:
@@ -180,6 +268,7 @@ class Fault:
     repro_script: str | None = None  # its text (None: a depth stack or ranks, or a bisect's script not found)
     # Every faulty path of the run, when it has failing rows besides this one and the one a bisect started from.
     faulty_paths: list[Faulty] = field(default_factory=list)
+    builds: RowBuilds = RowBuilds(None, None)  # what the row ran on (`row_builds`)
 
     @property
     def right_elsewhere(self) -> tuple[list[str], list[str]]:
@@ -307,22 +396,33 @@ def compact_env(env: EnvReport) -> list[list[str]]:
     ]
 
 
-def template_environment(env: EnvReport) -> list[tuple[str, str]]:
+def template_environment(env: EnvReport, builds: RowBuilds | None = None) -> list[tuple[str, str]]:
     """The facts TE's bug-report template asks for (.github/ISSUE_TEMPLATE/bug_report.md: OS, PyTorch,
-    Python, Transformer Engine, CUDA and cuDNN versions, GPU model), and what else decides the kernel path."""
+    Python, Transformer Engine, CUDA and cuDNN versions, GPU model), and what else decides the kernel path. With a
+    failing row's `builds`, the cuDNN and flash-attn versions are the ones that row read back."""
     operating_system = fact(env.os) if env.os is not None else fact(env.platform)
+    cudnn = f"{fact(env.te_cudnn)} loaded by TE; {fact(env.torch_cudnn)} PyTorch's"
+    if builds is not None and builds.cudnn and not builds.loaded_by:
+        default = (env.te_cudnn.value or "").split(" ")[0]
+        cudnn = (f"{cudnn}; the failing call ran on {builds.cudnn} (read back)" if builds.cudnn == default else
+                 f"{builds.cudnn}, loaded by TE for the failing call (read back); the machine's: {fact(env.te_cudnn)} "
+                 f"loaded by TE, {fact(env.torch_cudnn)} PyTorch's")
+        cudnn += f"; {builds.elsewhere}" if builds.elsewhere else ""
+    flash = flash_text(env)
+    if builds is not None and builds.flash_attn:
+        flash = f"{builds.flash_attn}, run by TE for the failing call (read back); installed: {flash}"
     return [
         ("GPU model", gpu_text(env)),
         ("NVIDIA driver", fact(env.driver)),
         ("CUDA version", f"{fact(env.torch_cuda)} (PyTorch's build)"),
-        ("cuDNN version", f"{fact(env.te_cudnn)} loaded by TE; {fact(env.torch_cudnn)} PyTorch's"),
+        ("cuDNN version", cudnn),
         ("Transformer Engine version",
          f"{fact(env.te)} (core {fact(env.te_core)}; PyTorch extension {fact(env.te_torch)})"),
         ("PyTorch version", fact(env.torch)),
         ("Python version", fact(env.python)),
         ("OS version", f"{operating_system} ({fact(env.platform)})" if env.os is not None else operating_system),
         ("CPU", fact(env.cpu)),
-        ("flash-attn", flash_text(env)),
+        ("flash-attn", flash),
         ("NVTE_* / CUDNN_* variables", nvte_text(env)),
     ]
 

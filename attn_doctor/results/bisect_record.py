@@ -22,7 +22,7 @@ from attn_doctor.core import schemas
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BackendSpec, Coords, coords_at, knob_dict
 from attn_doctor.core.errors import BadInput
-from attn_doctor.machine.cudnn_builds import version_order
+from attn_doctor.machine.cudnn_builds import builds_sentence, version_order
 from attn_doctor.machine.fingerprint import EnvReport
 from attn_doctor.results.files import inside
 from attn_doctor.results.report import RunReport
@@ -133,14 +133,7 @@ class BisectRecord:
     def cudnn_sentence(self) -> str:
         """"fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0", "reproduced with cuDNN 9.14.0 and
         9.19.0", or "" when the bisect tried no other cuDNN build."""
-        failing, passing = self.cudnn_builds()
-        if failing and passing:
-            newer = [p for p in passing if all(version_order(p) > version_order(f) for f in failing)]
-            return (f"fails with cuDNN {', '.join(failing)}, passes with {', '.join(passing)}"
-                    + (f": fixed by {newer[0]}" if newer else ""))
-        if len(failing) > 1:
-            return f"reproduced with cuDNN {', '.join(failing[:-1])} and {failing[-1]}"
-        return ""
+        return builds_sentence(*self.cudnn_builds())
 
     @property
     def tested(self) -> str:
