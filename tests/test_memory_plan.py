@@ -338,3 +338,16 @@ def test_the_plan_table_the_readme_points_to_still_runs(capsys):
     deep = next(line for line in rows if "--layers 24,128" in line)
     assert "in turn" in deep and "refused" not in deep  # the design card's depth sweep fits 24 GiB
     assert "refused" in next(line for line in rows if "131072" in line)
+
+
+def test_a_session_runs_what_its_plan_cannot_fit_and_lets_it_be_too_big(recorded):
+    """The command refuses a request too large before anything starts; a session's later groups (a bisect's steps)
+    are not refused mid-way: the smallest plan runs, and a probe that does not fit becomes TOO-BIG."""
+    case = make_case(batch=1, seq=32, heads=2, head_dim=8)
+    tiny = MemoryBudget(1, "cuda:0", "a tiny budget", 80 * GIB)
+    coords = plan_calls(case, select(["sdpa.math"]), ["contiguous"])
+    with pytest.raises(BadInput):
+        plan_memory(coords, "cuda", tiny)
+    with recorded.Session("cuda", budget=tiny) as session:
+        session.run(coords)
+        assert session.plan.serial and session.plan.estimate > tiny.bytes

@@ -265,9 +265,11 @@ def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -
 
 
 def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | None, workers_per_family: int = 1,
-                repeats: int = 1) -> MemoryPlan:
+                repeats: int = 1, refuse: bool = True) -> MemoryPlan:
     """The plan for running `coords_list` (the probes that will run) within `budget`: as many of the asked workers
-    per family as fit, else families taking turns; BadInput when even that does not fit (see the module)."""
+    per family as fit, else families taking turns; BadInput when even that does not fit (see the module). With
+    `refuse` False the smallest plan is returned all the same: a session's later groups (a bisect's steps, one of
+    which may try a wider dtype than the start it was planned on) run, and what does not fit is TOO-BIG."""
     demand = _demand(coords_list, device, repeats)
     asked = {key: max(1, min(workers_per_family, demand.units[key])) for key in demand.needs}
     serial = demand.depth  # one float64 stack at a time, by design
@@ -287,7 +289,7 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
         said = ([f"workers at once: {', '.join(cut)}"] if cut else []) + (["families take turns"] if serial else [])
         if said:
             fewer = f"{'; '.join(said)}: side by side they would need more than {budget.source}"
-    if budget is not None and total > budget.bytes:
+    if refuse and budget is not None and total > budget.bytes:
         raise BadInput(_refusal(coords_list, device, budget, total, parts, repeats))
     fixed = {"parent": process_bytes("parent", device)}
     fixed.update({key: process_bytes(demand.families[key], device) for key in workers})

@@ -200,7 +200,9 @@ class Session:
         units = self._assign(batch)
         runnable = [batch.groups[group][i] for family_units in units.values() for group, indices in family_units
                     for i in indices]
-        plan = self.plan = plan_memory(runnable, self.device, self.budget, self.workers_per_family, self.repeats)
+        # refused up front by the command where it had to be (its largest request); here whatever fits least runs
+        plan = self.plan = plan_memory(runnable, self.device, self.budget, self.workers_per_family, self.repeats,
+                                       refuse=False)
         self.references.max_live = plan.live_references
         self._hold_parent(plan)
         starting = {process: min(plan.workers.get(process, 1), len(family_units))
