@@ -11,3 +11,13 @@ def one_line_error(result) -> str:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("attn-doctor: error: ")
     return lines[0]
+
+
+# Lines the tool prints for the reader to copy whole (a file it wrote, the next command): never wrapped, so only
+# these may be wider than 80 columns (`Application.say`).
+COPYABLE = ("results:", "report:", "plot:", "repro:", "bisect:", "json:", "issue:", "replay:")
+
+
+def wrapped_lines(text: str) -> list[str]:
+    """The lines of `text` the tool fits to the terminal's width: all but the copyable ones."""
+    return [line for line in text.splitlines() if not line.startswith(COPYABLE)]

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from attn_doctor.render.format import REPEATS_MARK
-from cli_checks import one_line_error
+from cli_checks import wrapped_lines, one_line_error
 
 KERNELS = Path(__file__).resolve().parent / "kernels" / "nondeterministic.py"
 NOISY = f"{KERNELS}:noisy"
@@ -100,7 +100,7 @@ def test_a_nondeterministic_kernel_is_reported_not_reproducible(noisy_run):
     baseline = _measured(doc)[("local", "contiguous")]["extra"]["repeats"]
     assert all(baseline["identical"].values())
     out = result.stdout
-    assert max(len(line) for line in out.splitlines()) <= 80
+    assert max(len(line) for line in wrapped_lines(out)) <= 80
     flat = " ".join(out.split())
     assert "bitwise identical over 3 calls: local" in flat
     assert f"{REPEATS_MARK} noisy: not bitwise reproducible over 3 calls on contiguous" in flat
