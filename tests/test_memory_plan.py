@@ -72,7 +72,8 @@ def test_a_reading_of_the_ram_never_raises_and_a_budget_follows_the_device():
 
 
 @pytest.mark.parametrize("text,expected", [("24GiB", 24 * GIB), ("48G", 48 * GIB), ("500MiB", 500 * MIB),
-                                           ("1.5 TiB", int(1.5 * (1 << 40))), ("24GB", 24 * 10**9)])
+                                           ("1.5 TiB", int(1.5 * (1 << 40))), ("24GB", 24 * GIB),
+                                           ("24gib", 24 * GIB)])
 def test_max_memory_sizes(text, expected):
     from attn_doctor.cli.options import MEMORY_SIZE
 

@@ -15,10 +15,8 @@ import click
 import attn_doctor
 from attn_doctor.cli.app import EXIT_FAULT, EXIT_OK, Application, Interrupted
 from attn_doctor.cli.epilogs import epilog
-from attn_doctor.cli.options import OUTPUT_FOLDER, given, int_list, refuse_ignored
+from attn_doctor.cli.options import BYTE_UNITS, OUTPUT_FOLDER, given, int_list, refuse_ignored
 from attn_doctor.core.errors import BadInput
-
-BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
 
 
 def byte_size(text: str) -> int:

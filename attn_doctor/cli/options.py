@@ -140,13 +140,17 @@ class Shard(click.ParamType):
 SHARD = Shard()
 
 
+# Sizes as the options read them (`capture --max-bytes`, `--max-memory`): binary units, however spelled (K, KB and
+# KiB are 1024 bytes), as SLURM's --mem and nvidia-smi's MiB read them; one table, so a size means the same everywhere.
+BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30}
+
+
 class MemorySize(click.ParamType):
-    """`--max-memory 24GiB`: bytes. Binary units (KiB, MiB, GiB, TiB, and K, M, G, T as SLURM's --mem reads them)
-    or decimal ones (KB, MB, GB, TB); a bare number is refused, so that 24 is never read as 24 bytes."""
+    """`--max-memory 24GiB`: bytes, in `BYTE_UNITS` (and T, TB, TiB); a bare number is refused, so that 24 is never
+    read as 24 bytes."""
 
     name = "size"
-    UNITS = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40,
-             "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    UNITS = {**{unit: scale for unit, scale in BYTE_UNITS.items() if unit not in ("", "b")}, "t": 2**40, "tb": 2**40}
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -154,7 +158,8 @@ class MemorySize(click.ParamType):
         import re
 
         found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", str(value))
-        scale = self.UNITS.get(found.group(2).lower()) if found else None
+        unit = found.group(2).lower() if found else ""
+        scale = self.UNITS.get(unit[:-2] + "b" if unit.endswith("ib") else unit)  # KiB as KB
         size = float(found.group(1)) * scale if scale else 0.0
         if not scale or not 1 << 20 <= size <= 1 << 60:
             raise BadInput(f"{_option_name(param)} {_shown(value)}: expected a size with its unit from 1 MiB, "

@@ -28,10 +28,6 @@ class MemoryBudget:
     source: str  # "--max-memory 24.0 GiB" or "75.2 GiB free on cuda:0 at the start, less a margin"
     device_total: int | None = None  # the card's size (caps are fractions of it); None for the RAM
 
-    @property
-    def on_gpu(self) -> bool:
-        return self.where.startswith("cuda")
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

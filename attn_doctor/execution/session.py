@@ -105,8 +105,8 @@ class _Batch:
     judged: list[list[Row] | None] = field(init=False)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    # probes that ran out of memory, to retry alone: (group, index, the reply)
-    deferred: list[tuple[int, int, dict]] = field(default_factory=list)
+    # probes that ran out of memory, to retry alone: (group, index)
+    deferred: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.results = [{} for _ in self.groups]
@@ -284,7 +284,7 @@ class Session:
             batch.finish(group, index, row_from_reply(coords, reply))
         elif not alone:
             with batch.lock:
-                batch.deferred.append((group, index, reply))
+                batch.deferred.append((group, index))
         else:
             batch.finish(group, index, self._too_big(coords, key, reply))
 
@@ -311,7 +311,7 @@ class Session:
 
     def _retry_alone(self, batch: _Batch) -> None:
         """Each probe that ran out of memory, again, with every other worker closed and the whole budget."""
-        for group, index, _ in sorted(batch.deferred):
+        for group, index in sorted(batch.deferred):
             if batch.stopped.is_set():
                 return
             coords = batch.groups[group][index]

@@ -152,13 +152,13 @@ _UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 def held_memory(cause: BaseException, device) -> dict:
     """The allocation that failed ("tried", as torch's message says) and on a GPU what the allocator held when it
-    ran out ("reserved", its peak "max_reserved")."""
+    ran out ("reserved")."""
     found = _TRIED.search(str(cause))
     held = {"tried": int(float(found.group(1)) * _UNIT[found.group(2)]) if found else 0}
     if device.type == "cuda":
         import torch
 
-        held.update(reserved=torch.cuda.memory_reserved(device), max_reserved=torch.cuda.max_memory_reserved(device))
+        held["reserved"] = torch.cuda.memory_reserved(device)
     return held
 
 
@@ -170,7 +170,6 @@ def free_memory(device) -> None:
         import torch
 
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 if __name__ == "__main__":

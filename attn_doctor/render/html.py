@@ -130,9 +130,8 @@ def _bisect_html(bisect: BisectRecord) -> str:
 def report_html(data: ReportData) -> str:
     report = data.report
     parts = [f"<h1>attn-doctor report</h1><p><strong>Verdict:</strong> {escape(report.summary)}</p>"]
-    builds = data.builds.sentence(data.filed[1].backend) if data.builds is not None else ""
-    if builds:
-        parts.append(f"<p><strong>Builds:</strong> {escape(builds)}</p>")
+    if data.builds_sentence:
+        parts.append(f"<p><strong>Builds:</strong> {escape(data.builds_sentence)}</p>")
     parts += [f"<p><strong>Note:</strong> {escape(note)}.</p>" for note in report.notes]
     if data.known:
         items = "".join(f"<li>{escape(text)}</li>" for text in data.known)

@@ -117,9 +117,8 @@ def report_markdown(data: ReportData) -> str:
     saying how many were left out."""
     report = data.report
     top = ["## attn-doctor report", "", f"**Verdict:** {escape(report.summary)}", ""]
-    builds = data.builds.sentence(data.filed[1].backend) if data.builds is not None else ""
-    if builds:
-        top += [f"**Builds:** {escape(builds)}", ""]
+    if data.builds_sentence:
+        top += [f"**Builds:** {escape(data.builds_sentence)}", ""]
     if report.seconds.get("points"):
         top += [f"**Sweep:** {report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s "
                 f"({report.seconds['points per minute']:.1f} cases per minute).", ""]

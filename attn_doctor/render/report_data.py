@@ -109,6 +109,11 @@ class ReportData:
         bisect, row, rows = self.filed
         return row_builds(row, rows, bisect, self.report.env)
 
+    @property
+    def builds_sentence(self) -> str:
+        """The filed row's builds in one sentence ("" where nothing failed or it read back none)."""
+        return self.builds.sentence(self.filed[1].backend) if self.builds is not None else ""
+
     @cached_property
     def fault(self) -> Fault | None:
         """The fault an issue is about (`filed`), with its figures, the paths right on its inputs and its repro."""
