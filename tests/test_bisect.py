@@ -558,11 +558,11 @@ def _run_script(script: Path, cwd: Path, env: dict, *args: str) -> subprocess.Co
 
 
 def _printed_rel_err(stdout: str, tensor: str) -> tuple[float, bool]:
-    """The repro's printed error of `tensor`, and whether the line is marked WRONG."""
+    """The repro's printed relative error of `tensor`, and whether the line is marked WRONG."""
     for line in stdout.splitlines():
         words = line.split()
         if words and words[0] == tensor:
-            return float(words[1].rstrip("*")), "WRONG:" in words
+            return float(words[words.index("relative") + 1].rstrip(",")), "WRONG:" in words
     raise AssertionError(f"no {tensor} line in:\n{stdout}")
 
 
@@ -631,11 +631,11 @@ repro = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(repro)  # defines everything; main() is behind __name__ == "__main__"
 q, k, v, dout = repro.inputs()
 ref = repro.reference(q, k, v, dout)
-got = repro.run(repro.shards, repro.FORMAT, repro.LAYOUT, q, k, v, dout)
-base = repro.run(lambda q, k, v, case: repro.megatron_local(q, k, v), "sbhd", "contiguous", q, k, v, dout)
-measured = {name: (repro.errors(x, r, terms), repro.errors(b, r, terms))
-            for name, x, b, (r, terms) in zip(("out", "dq", "dk", "dv"), got, base, ref)}
-print(json.dumps({name: {"rel": m["rel"], "ratio": repro.judge(m, b)[2]} for name, (m, b) in measured.items()}))
+got = repro.attend(repro.kernel, repro.views(q, k, v), repro.to_fmt, repro.to_bshd, dout)
+sbhd = lambda t, side: t.transpose(0, 1)
+base = repro.attend(repro.local, [repro.leaf(sbhd(t, "q")) for t in (q, k, v)], sbhd, sbhd, dout)
+measured = {name: (repro.figures(x, *ref[name]), repro.figures(b, *ref[name])) for name, x, b in zip(ref, got, base)}
+print(json.dumps({name: {"rel": m["rel"], "ratio": repro.judge(m, b)[1]} for name, (m, b) in measured.items()}))
 '''
 
 

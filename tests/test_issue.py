@@ -155,7 +155,8 @@ def test_issue_folds_a_standalone_repro_of_the_failing_row(report_of, no_known):
     issue = report_of(H200_RUN)
     (script,) = fenced(issue, "python")
     compile(script, "repro.py", "exec")
-    assert "LAYOUT = 'transposed'" in script and "'batch': 4, 'seq': 1024" in script
+    assert "b4 s1024" in script and "B, S, SKV, H, HKV, D, DV, SEED = 4, 1024," in script  # the short repro
+    assert "views = lambda q, k, v: [leaf(t).transpose(0, 1)" in script  # its own layout: bshd storage, sbhd views
     assert re.search(r"<details><summary>repro_te\.fused_[0-9a-f]{8}\.py \(\d+ lines\)</summary>", issue)
     assert issue.index("<details><summary>repro_te.fused_") < issue.index("**Expected behavior**")
     (command,) = [c for c in fenced(issue, "bash") if c.startswith("attn-doctor run")]

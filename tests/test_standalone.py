@@ -80,10 +80,11 @@ PATHS = [*(spec for spec in select([]) if spec.name in ("te.fused", "te.fused.de
          parse_kernel_spec(f"{FEATURES}:correct")]
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["short", "full"])
 @pytest.mark.parametrize("fields", CASES.values(), ids=list(CASES))
 @pytest.mark.parametrize("spec", PATHS, ids=[spec.name for spec in PATHS])
-def test_every_repro_is_whole_and_needs_no_attn_doctor(spec, fields):
-    script = repro_text(Coords.call(make_case(**{**SMALL, **fields}), spec), None, "test", "attn-doctor bisect")
+def test_every_repro_is_whole_and_needs_no_attn_doctor(spec, fields, full):
+    script = repro_text(Coords.call(make_case(**{**SMALL, **fields}), spec), None, "test", "attn-doctor bisect", full)
     tree = ast.parse(script)
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
@@ -155,7 +156,13 @@ def test_a_te_repro_calls_te_as_attn_doctor_does(fields, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "FIXED" in proc.stdout and "TE ran: FusedAttention sub-backend 1" in proc.stdout
+    assert "FIXED" in proc.stdout and ("'use_fused_attention': True, 'fused_attention_backend': 1" in proc.stdout
+                                       or case.softmax == "learnable")  # the short form's readback (the full's below)
+    full = write_repro(tmp_path / "full", Coords.call(case, BackendSpec("te.fused", "te", {"path": "fused"}), layout),
+                       None, "test", "attn-doctor bisect", full=True)
+    proc = subprocess.run([sys.executable, str(full)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0 and "TE ran: FusedAttention sub-backend 1" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -169,7 +176,7 @@ def test_a_flash_style_kernel_s_repro_judges_it_with_its_own_output_rounding(tmp
 
     def run(kernel: str, flash_style: bool | None = None) -> subprocess.CompletedProcess:
         script = write_repro(tmp_path / kernel, Coords.call(case, parse_kernel_spec(f"{kernels}:{kernel}")), None,
-                             "test", "attn-doctor bisect")
+                             "test", "attn-doctor bisect", full=True)
         text = script.read_text()
         assert "FLASH_STYLE = True" in text and "def output_rounding_moves" in text
         if flash_style is not None:

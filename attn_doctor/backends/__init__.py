@@ -6,7 +6,7 @@ Adding a backend is a module in this package (a `Backend` subclass, see `base.py
 
 from __future__ import annotations
 
-from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, Unsupported
+from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, ShortCall, Unsupported
 from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
 from attn_doctor.backends.sdpa import SdpaKernel
@@ -127,6 +127,10 @@ def repro_source(spec: BackendSpec) -> str:
     return backend_class(spec).repro_source(spec)
 
 
+def short_call(spec: BackendSpec, case: Case) -> ShortCall | None:
+    return backend_class(spec).short_call(spec, case)
+
+
 def match_format(spec: BackendSpec, case: Case) -> str | None:
     """The qkv_format known-defect rules are matched with for this spec on this case (None: not a TE path)."""
     cls = backend_class(spec)
@@ -156,7 +160,7 @@ def prepare_process(family: str) -> dict:
     return REGISTRY[family].prepare_process()
 
 
-__all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported", "BASELINE", "REGISTRY",
+__all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
-           "repro_source", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
+           "repro_source", "short_call", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
            "with_cudnn", "on_build", "without_build", "CUDNN_MARK"]

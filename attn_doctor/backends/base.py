@@ -9,7 +9,9 @@ In the parent process (class methods; no worker is started, nothing heavy is imp
   `static_skip()`      why a spec cannot run a case on a device, known before starting anything
   `memory()`           the working memory one call needs beyond its inputs, outputs and gradients
   `selector()`         the command-line option that picks a spec (`--backend NAME`, `--kernel SPEC`)
-  `repro_source()`     the kernel part of the standalone repro script (see `attn_doctor.bisect.repro`)
+  `repro_source()`     the kernel part of the full standalone repro script (see `attn_doctor.bisect.repro`)
+  `short_call()`       the kernel part of the short repro, written for one case (`ShortCall`; None: the full
+                       form is written for this path)
   `match_format`       not None for a path known-defect rules are written for (TE's): they are matched with
                        the format it runs a case in (`format_for`)
   `match_context()`    how a spec runs beyond the machine's defaults, for those rules (TE's deterministic path:
@@ -53,7 +55,34 @@ if TYPE_CHECKING:
 
     from attn_doctor.numerics.masks import Semantics
 
-__all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "Unsupported"]
+__all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported"]
+
+
+@dataclass(frozen=True)
+class ShortCall:
+    """A path's part of the short repro (`attn_doctor.bisect.short_repro`). `fmt`: the format its kernel takes
+    ("bshd", "sbhd", "thd"); `setup`: lines run before the script's functions (imports, the flags a library reads
+    at import); `kernel`: the source of `kernel(q, k, v) -> out` on views in `fmt`, written for the case. It may use
+    torch, math, os, DEVICE, DTYPE, B, S, SKV, H, HKV, D, DV, SCALE, the case's VISIBLE (None: all visible), BIAS
+    (float64), BIAS_IN (as drawn), EXPLICIT, SINK, LENS_Q, LENS_KV and CU where the case has them, and `local`."""
+    fmt: str
+    setup: str
+    kernel: str
+
+
+def short_mask_code(case: dict[str, Any]) -> str:
+    """The short repro's code for the boolean mask attn-doctor hands a kernel (`standalone.dense_allowed`):
+    "None", "VISIBLE", or an all-True tensor of its shape where the script's VISIBLE is None because every query
+    sees every key (the kernel still gets the tensor attn-doctor gives it)."""
+    from attn_doctor.numerics import standalone
+
+    explicit = standalone.draw_side_inputs(case, "cpu")[0]
+    allowed = standalone.dense_allowed(case, explicit, "cpu")
+    if allowed is None:
+        return "None"
+    if bool(allowed.all()):
+        return f"torch.ones({tuple(allowed.shape)}, dtype=torch.bool, device=DEVICE)"
+    return "VISIBLE"
 
 
 class Unsupported(Exception):
@@ -144,6 +173,11 @@ class Backend(ABC):
         standalone repro; it may use what the script defines before it (`attn_doctor.numerics.standalone`'s
         functions, `visible`, `added_bias`, `megatron_local`, EXPLICIT, BIAS, CU_SEQLENS, DEVICE, torch, F, os;
         `case` is `Case.plain()` with the call's `sink`)."""
+
+    @classmethod
+    def short_call(cls, spec: BackendSpec, case: Case) -> ShortCall | None:
+        """The short repro's call for `case`; None where only the full form reproduces it."""
+        return None
 
     @classmethod
     def prepare_process(cls) -> dict[str, Any]:

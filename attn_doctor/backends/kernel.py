@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from attn_doctor.backends.base import Backend, BackendSpec, Unsupported
+from attn_doctor.backends.base import Backend, BackendSpec, ShortCall, Unsupported, short_mask_code
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
 from attn_doctor.core.paths import check_input
@@ -228,6 +228,39 @@ class UserKernel(Backend):
     @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:
         return REPRO_SOURCE.format(target=spec.options["target"], func=spec.options["func"])
+
+    @classmethod
+    def short_call(cls, spec: BackendSpec, case: Case) -> ShortCall:
+        case = case.plain()
+        target, func = spec.options["target"], spec.options["func"]
+        if target.endswith(".py"):
+            load = ('spec = importlib.util.spec_from_file_location("user_kernel", TARGET)\n'
+                    'USER = importlib.util.module_from_spec(spec)\n'
+                    'spec.loader.exec_module(USER)\n')
+        else:
+            load = "USER = importlib.import_module(TARGET)\n"
+        padded = case["mask"].startswith("padding")
+        lengths = {side: f"torch.tensor(LENS_{side.upper()}, dtype=torch.int32, device=DEVICE)" if padded else "None"
+                   for side in ("q", "kv")}
+        offered = {"allowed": short_mask_code(case) if needs_mask(case) else "None",
+                   "bias": "BIAS.to(DTYPE)" if case["bias"] != "no_bias" else "None",
+                   "softmax_offset": "SINK" if case["softmax"] != "vanilla" else "None",
+                   "seqlens_q": lengths["q"], "seqlens_kv": lengths["kv"], "mask_type": repr(case["mask"]),
+                   "window": repr(case["window"])}
+        from attn_doctor.core.source_text import call_lines
+
+        keywords = call_lines("    offered = dict(", [f"{name}={code}" for name, code in offered.items()])
+        return ShortCall("bshd", ("import importlib.util  # noqa: E402\n" if target.endswith(".py") else
+                                  "import importlib  # noqa: E402\n") + "import inspect  # noqa: E402\n\n"
+                                 f"TARGET, FUNC = {target!r}, {func!r}  # the --kernel\n" + load, f'''
+
+def kernel(q, k, v):
+    """The --kernel function, given attn-doctor's keywords (each only if it takes it, by name or **kwargs)."""
+    fn = getattr(USER, FUNC)
+{keywords}    taken = inspect.signature(fn).parameters
+    extra = {{n: x for n, x in offered.items() if n in taken or any(p.kind is p.VAR_KEYWORD for p in taken.values())}}
+    return fn(q, k, v, causal={"causal" in case["mask"]}, softmax_scale=SCALE, **extra)
+''')
 
     def __init__(self, spec: BackendSpec):
         super().__init__(spec)

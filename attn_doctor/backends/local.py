@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from attn_doctor.backends.base import Backend, BackendSpec, PathMemory
+from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, ShortCall
 from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.numerics.masks import Semantics, dense_allowed, dense_bias
 from attn_doctor.numerics.reference import allowed_mask
@@ -60,6 +60,11 @@ class LocalAttention(Backend):
     @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:
         return REPRO_SOURCE
+
+    @classmethod
+    def short_call(cls, spec: BackendSpec, case: Case) -> ShortCall:
+        return ShortCall("sbhd", "", "\ndef kernel(q, k, v):  # the path under test is the baseline itself\n"
+                                     "    return local(q, k, v)\n")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case,
                 semantics: Semantics | None = None) -> torch.Tensor:

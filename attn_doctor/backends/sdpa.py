@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, Unsupported
+from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, ShortCall, Unsupported, short_mask_code
 from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.numerics.masks import Semantics
 from attn_doctor.numerics.reference import allowed_mask
@@ -110,6 +110,30 @@ class SdpaKernel(Backend):
     def repro_source(cls, spec: BackendSpec) -> str:
         kernel = spec.options["kernel"]
         return REPRO_SOURCE.format(kernel=kernel, enum=KERNELS[kernel].name)
+
+    @classmethod
+    def short_call(cls, spec: BackendSpec, case: Case) -> ShortCall:
+        case = case.plain()
+        kernel = spec.options["kernel"]
+        dense = not case["mask"].startswith("padding") and case["mask"] != "arbitrary" and case["bias"] == "no_bias"
+        mask = short_mask_code(case)
+        if dense and "causal" in case["mask"] and case["window"] is None and case["seq"] == case["seq_kv"]:
+            argument = "is_causal=True, "  # as `standalone.sdpa_mask` gives plain causal self-attention
+        elif case["bias"] != "no_bias":
+            argument = ("attn_mask=BIAS.to(DTYPE), " if mask != "VISIBLE"
+                        else "attn_mask=BIAS.to(DTYPE).masked_fill(~VISIBLE, -math.inf), ")
+        else:
+            argument = "" if mask == "None" else f"attn_mask={mask}, "
+        gqa = ", enable_gqa=True" if case["kv_heads"] != case["heads"] else ""
+        return ShortCall("bshd", "import torch.nn.functional as F  # noqa: E402\n"
+                                 "from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402\n", f'''
+
+def kernel(q, k, v):
+    """PyTorch SDPA with only its {kernel} kernel allowed, given the mask as attn-doctor gives it."""
+    with sdpa_kernel([SDPBackend.{KERNELS[kernel].name}]):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), {argument}scale=SCALE{gqa})
+    return out.transpose(1, 2)
+''')
 
     def __init__(self, spec: BackendSpec):
         super().__init__(spec)

@@ -46,6 +46,7 @@ from attn_doctor.backends.base import (
     BackendSpec,
     ParallelGroups,
     PathMemory,
+    ShortCall,
     Unsupported,
 )
 from attn_doctor.core import layouts
@@ -354,6 +355,43 @@ class TEAttention(Backend):
                if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)')
         return (REPRO_SOURCE.format(path=options["path"], flags=repr(flags), sub_backend=sub, determinism=determinism)
                 + module_body(te_call) + REPRO_KERNEL)
+
+    @classmethod
+    def short_call(cls, spec: BackendSpec, case: Case) -> ShortCall | None:
+        """TE's DotProductAttention with the arguments attn-doctor gives it (`te_call`), written out; the flags and
+        TE's import first (TE reads NVTE_* at import and per call)."""
+        from attn_doctor.core.source_text import call_lines
+
+        options, packing, case = spec.options, layouts.packing(case) if case.padded else None, case.plain()
+        flags = {flag: value for flag, value in path_environment(options["path"]).items()
+                 if flag != UNFUSED_FP8_EMULATION}  # read under FP8 alone, which the short repro does not cover
+        if options.get("deterministic"):  # read when each DotProductAttention is built
+            flags[NONDETERMINISTIC_FLAG] = "0"
+        if options.get("sub_backend") is not None:
+            flags["NVTE_FUSED_ATTN_BACKEND"] = str(options["sub_backend"])
+        setup = (f"# TE's {options['path']} path alone, forced as TE's tests force it\nos.environ.update({flags!r})\n"
+                 + ("" if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)\n')
+                 + "import transformer_engine.pytorch as te  # noqa: E402\n"
+                 "from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa"
+                 "  # noqa: E402\n")
+        module = [f"{name}={'SCALE' if name == 'softmax_scale' else repr(value)}"
+                  for name, value in te_call.module_arguments(case).items()]
+        cu_seqlens = packing.cu_seqlens_arguments() if packing is not None else {}
+        explicit = torch.ones(1, dtype=torch.bool) if case["mask"] == "arbitrary" else None
+        bias = torch.ones(1) if case["bias"].startswith("post_scale_bias") else None
+        code = {"attention_mask": "~EXPLICIT", "core_attention_bias": "BIAS_IN"}
+        forward = ["q", "k", "v"] + [
+            f"{name}=" + (code[name] if name in code else f"i32({cu_seqlens[name]})" if name.startswith("cu_seqlens")
+                          else repr(value))
+            for name, value in te_call.forward_arguments(case, cu_seqlens, explicit, bias, "cpu").items()]
+        i32 = ("    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731\n" if cu_seqlens
+               else "")
+        return ShortCall(case["qkv_format"], setup, (
+            "\ndef kernel(q, k, v):  # TE's DotProductAttention, built and called with the arguments attn-doctor gives it\n"
+            + i32 + call_lines("    module = te.DotProductAttention(", module) + call_lines("    out = module(", forward)
+            + "    print(\"TE ran:\", {n: dpa._attention_backends[n] for n in (\"use_fused_attention\", "
+            "\"fused_attention_backend\")})\n"
+            "    return out.view(*q.shape[:-2], H, DV)\n"))
 
     @classmethod
     def prepare_process(cls) -> dict:

@@ -33,6 +33,7 @@ class BisectRequest:
     timeout_s: float = 300.0
     command: str = "attn-doctor bisect"
     memory: MemoryAsk = field(default_factory=MemoryAsk)  # --max-memory, and what was free at the start
+    full_repro: bool = False  # the long self-contained repro instead of the short one
 
     def check(self) -> None:
         if self.repeats < 1:
@@ -249,7 +250,7 @@ def bisect(request: BisectRequest, progress: ProgressSink | None = None) -> Bise
     env = collect_env(te_facts=facts.get("te_facts"), read_te=False)
     minimal = result.minimal
     repro_coords = minimal if not minimal.layers else knobs.coords_at(minimal.case, backend=minimal.backend)
-    repro = write_repro(request.directory, repro_coords, env, __version__, request.command)
+    repro = write_repro(request.directory, repro_coords, env, __version__, request.command, request.full_repro)
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return BisectReport(result, diagnosis, repro, env, recorded_rows(result, session.rows), request.command,
                         __version__, created)

@@ -246,9 +246,16 @@ def repro_name(coords: Coords) -> str:
     return f"repro_{safe}_{short_id(coords)}.py"
 
 
-def repro_text(coords: Coords, env: EnvReport | None, version: str, command: str) -> str:
-    """The standalone repro script of a failing probe, one call or TP shards (ValueError for a depth stack
-    or ranks: those are reproduced by attn-doctor itself)."""
+def repro_text(coords: Coords, env: EnvReport | None, version: str, command: str, full: bool = False) -> str:
+    """The standalone repro script of a failing probe, one call or TP shards: the short one, written for its case
+    (`attn_doctor.bisect.short_repro`), where it covers the case and `full` is not asked; else the full one
+    (ValueError for a depth stack or ranks: those are reproduced by attn-doctor itself)."""
+    if not full:
+        from attn_doctor.bisect.short_repro import short_repro_text
+
+        short = short_repro_text(coords, env, version, command)
+        if short is not None:
+            return short
     from attn_doctor.backends import repro_source
     from attn_doctor.core.coords import ProbeKind
 
@@ -284,9 +291,10 @@ def _launch(coords: Coords) -> str:
             f"  env {variables} python3 THIS_FILE\n")
 
 
-def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version: str, command: str) -> Path:
-    """Write repro_<backend>_<short-id>.py for the (minimal) failing probe, one call or TP shards."""
-    text = repro_text(coords, env, version, command)
+def write_repro(directory: Path, coords: Coords, env: EnvReport | None, version: str, command: str,
+                full: bool = False) -> Path:
+    """Write repro_<backend>_<short-id>.py for the (minimal) failing probe, one call or TP shards (`repro_text`)."""
+    text = repro_text(coords, env, version, command, full)
     path = Path(directory) / repro_name(coords)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -31,9 +31,12 @@ from attn_doctor.core.probe_kinds import rules_for
 @click.option("--out", "out_dir", type=OUTPUT_FOLDER,
               help="Where the repro script and the bisect document go (default: beside --from, else "
                    "attn-doctor-results/bisect-<stamp>); `attn-doctor report` takes the folder or the document.")
+@click.option("--full-repro", is_flag=True,
+              help="Write the long self-contained repro (all of attn-doctor's numerics) instead of the short one "
+                   "written for the minimal case.")
 @click.pass_obj
 def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memory, timeout, tp, layers, from_results,
-           row_index, repeats, json_path, out_dir, **case_flags) -> int:
+           row_index, repeats, json_path, out_dir, full_repro, **case_flags) -> int:
     """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
     standalone repro script."""
     from attn_doctor.machine.devices import check_device_name
@@ -86,7 +89,7 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memo
     from attn_doctor.execution.budget import MemoryAsk
 
     request = BisectRequest(start, resolve_device(device), directory, repeats, timeout, app.command_line(),
-                            MemoryAsk(max_memory))
+                            MemoryAsk(max_memory), full_repro)
     console = app.console
     try:
         report = bisect_workflow(request, app.progress())

@@ -8,6 +8,20 @@ import inspect
 from types import ModuleType
 
 
+def call_lines(opening: str, arguments: list[str], width: int = 120) -> str:
+    """`opening` + the arguments + ")", wrapped at `width` with the arguments aligned under the first one."""
+    lines, line = [], opening
+    indent = " " * len(opening)
+    for i, argument in enumerate(arguments):
+        piece = argument + (", " if i < len(arguments) - 1 else ")")
+        if len(line) + len(piece.rstrip()) > width and line.strip() != opening.strip():
+            lines.append(line.rstrip())
+            line = indent
+        line += piece
+    lines.append(line.rstrip() if arguments else line + ")")
+    return "\n".join(lines) + "\n"
+
+
 def module_body(module: ModuleType) -> str:
     """A module's source after its docstring and its imports: what a script holds of it (the script imports
     torch and the standard library itself)."""
