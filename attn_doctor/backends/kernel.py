@@ -231,7 +231,9 @@ class UserKernel(Backend):
 
     @classmethod
     def short_call(cls, spec: BackendSpec, case: Case) -> ShortCall:
-        case = case.plain()
+        from attn_doctor.numerics.standalone import draw_side_inputs
+
+        plain = case.plain()
         target, func = spec.options["target"], spec.options["func"]
         if target.endswith(".py"):
             load = ('spec = importlib.util.spec_from_file_location("user_kernel", TARGET)\n'
@@ -239,14 +241,13 @@ class UserKernel(Backend):
                     'spec.loader.exec_module(USER)\n')
         else:
             load = "USER = importlib.import_module(TARGET)\n"
-        padded = case["mask"].startswith("padding")
-        lengths = {side: f"torch.tensor(LENS_{side.upper()}, dtype=torch.int32, device=DEVICE)" if padded else "None"
-                   for side in ("q", "kv")}
-        offered = {"allowed": short_mask_code(case) if needs_mask(case) else "None",
-                   "bias": "BIAS.to(DTYPE)" if case["bias"] != "no_bias" else "None",
-                   "softmax_offset": "SINK" if case["softmax"] != "vanilla" else "None",
-                   "seqlens_q": lengths["q"], "seqlens_kv": lengths["kv"], "mask_type": repr(case["mask"]),
-                   "window": repr(case["window"])}
+        # The keywords attn-doctor offers (kernel_keywords), each as the script's name for its value
+        explicit, bias, sink = draw_side_inputs(plain, "cpu")
+        code = {"allowed": short_mask_code(plain), "bias": "BIAS.to(DTYPE)", "softmax_offset": "SINK",
+                "seqlens_q": "torch.tensor(LENS_Q, dtype=torch.int32, device=DEVICE)",
+                "seqlens_kv": "torch.tensor(LENS_KV, dtype=torch.int32, device=DEVICE)"}
+        offered = {name: code[name] if name in code and value is not None else repr(value)
+                   for name, value in kernel_keywords(plain, explicit, bias, sink, torch.float32, "cpu").items()}
         from attn_doctor.core.source_text import call_lines
 
         keywords = call_lines("    offered = dict(", [f"{name}={code}" for name, code in offered.items()])
@@ -259,7 +260,7 @@ def kernel(q, k, v):
     fn = getattr(USER, FUNC)
 {keywords}    taken = inspect.signature(fn).parameters
     extra = {{n: x for n, x in offered.items() if n in taken or any(p.kind is p.VAR_KEYWORD for p in taken.values())}}
-    return fn(q, k, v, causal={"causal" in case["mask"]}, softmax_scale=SCALE, **extra)
+    return fn(q, k, v, causal={case.causal}, softmax_scale=SCALE, **extra)
 ''')
 
     def __init__(self, spec: BackendSpec):

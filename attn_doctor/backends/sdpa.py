@@ -113,18 +113,23 @@ class SdpaKernel(Backend):
 
     @classmethod
     def short_call(cls, spec: BackendSpec, case: Case) -> ShortCall:
-        case = case.plain()
+        from attn_doctor.numerics.standalone import draw_side_inputs
+
+        plain = case.plain()
         kernel = spec.options["kernel"]
-        dense = not case["mask"].startswith("padding") and case["mask"] != "arbitrary" and case["bias"] == "no_bias"
-        mask = short_mask_code(case)
-        if dense and "causal" in case["mask"] and case["window"] is None and case["seq"] == case["seq_kv"]:
-            argument = "is_causal=True, "  # as `standalone.sdpa_mask` gives plain causal self-attention
-        elif case["bias"] != "no_bias":
-            argument = ("attn_mask=BIAS.to(DTYPE), " if mask != "VISIBLE"
-                        else "attn_mask=BIAS.to(DTYPE).masked_fill(~VISIBLE, -math.inf), ")
-        else:
-            argument = "" if mask == "None" else f"attn_mask={mask}, "
-        gqa = ", enable_gqa=True" if case["kv_heads"] != case["heads"] else ""
+        explicit, bias, _ = draw_side_inputs(plain, "cpu")
+        mask, is_causal = sdpa_mask(plain, explicit, bias, torch.float32, "cpu")  # what attn-doctor gives SDPA
+        visible = short_mask_code(plain)
+        if is_causal:
+            argument = "is_causal=True, "
+        elif mask is None:
+            argument = ""
+        elif mask.dtype == torch.bool:
+            argument = f"attn_mask={visible}, "
+        else:  # the bias, -inf where a key is not visible
+            argument = ("attn_mask=BIAS.to(DTYPE).masked_fill(~VISIBLE, -math.inf), " if visible == "VISIBLE"
+                        else "attn_mask=BIAS.to(DTYPE), ")
+        gqa = ", enable_gqa=True" if case.kv_heads != case.heads else ""
         return ShortCall("bshd", "import torch.nn.functional as F  # noqa: E402\n"
                                  "from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402\n", f'''
 

@@ -361,6 +361,7 @@ class TEAttention(Backend):
         """TE's DotProductAttention with the arguments attn-doctor gives it (`te_call`), written out; the flags and
         TE's import first (TE reads NVTE_* at import and per call)."""
         from attn_doctor.core.source_text import call_lines
+        from attn_doctor.numerics.standalone import draw_side_inputs
 
         options, packing, case = spec.options, layouts.packing(case) if case.padded else None, case.plain()
         flags = {flag: value for flag, value in path_environment(options["path"]).items()
@@ -377,8 +378,7 @@ class TEAttention(Backend):
         module = [f"{name}={'SCALE' if name == 'softmax_scale' else repr(value)}"
                   for name, value in te_call.module_arguments(case).items()]
         cu_seqlens = packing.cu_seqlens_arguments() if packing is not None else {}
-        explicit = torch.ones(1, dtype=torch.bool) if case["mask"] == "arbitrary" else None
-        bias = torch.ones(1) if case["bias"].startswith("post_scale_bias") else None
+        explicit, bias, _ = draw_side_inputs(case, "cpu")  # the arguments attn-doctor gives, named as the script does
         code = {"attention_mask": "~EXPLICIT", "core_attention_bias": "BIAS_IN"}
         forward = ["q", "k", "v"] + [
             f"{name}=" + (code[name] if name in code else f"i32({cu_seqlens[name]})" if name.startswith("cu_seqlens")

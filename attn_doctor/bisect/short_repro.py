@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import shlex
 
+from attn_doctor.backends.base import ShortCall, short_mask_code
 from attn_doctor.core import layouts
 from attn_doctor.core.coords import Coords, ProbeKind
 from attn_doctor.machine.fingerprint import EnvReport
@@ -142,25 +143,30 @@ if __name__ == "__main__":
 
 def not_covered(coords: Coords) -> str | None:
     """Why the short form cannot reproduce `coords` (the full form is written then); None when it can."""
+    return _coverage(coords)[1]
+
+
+def _coverage(coords: Coords) -> tuple[ShortCall | None, str | None]:
+    """The path's short call for the case, and why the short form cannot be written (None when it can)."""
     from attn_doctor.backends import short_call
 
     case = coords.case
     if coords.layers or coords.kind is ProbeKind.DISTRIBUTED or case.replay is not None:
-        return "a depth, multi-rank or replayed probe"
+        return None, "a depth, multi-rank or replayed probe"
     if coords.tp > 1:
-        return "tensor-parallel shards"
+        return None, "tensor-parallel shards"
     if case.fp8 != "none":
-        return "FP8 attention (its baseline simulates FP8's rounding)"
+        return None, "FP8 attention (its baseline simulates FP8's rounding)"
     if case.softmax == "learnable":
-        return "a learnable sink (its gradient is a fifth tensor)"
+        return None, "a learnable sink (its gradient is a fifth tensor)"
     call = short_call(coords.backend, case)
     if call is None:
-        return f"{coords.backend.name} has no short call"
+        return None, f"{coords.backend.name} has no short call"
     if _views(call.fmt, coords.layout, _slots(coords)) is None:
-        return f"layout {coords.layout} in {call.fmt}"
+        return call, f"layout {coords.layout} in {call.fmt}"
     if coords.layout == "sbh3d_packed" and case.head_dim_v != case.head_dim:
-        return "sbh3d_packed with a value head dim of its own"
-    return None
+        return call, "sbh3d_packed with a value head dim of its own"
+    return call, None
 
 
 class _Facts:
@@ -170,8 +176,8 @@ class _Facts:
         case = coords.case
         self.plain = plain = {name: value for name, value in case.plain().items() if name != "replay"}
         explicit = numerics.draw_side_inputs(plain, "cpu")[0]
-        allowed = numerics.dense_allowed(plain, explicit, "cpu")
-        self.all_visible = allowed is None or bool(allowed.all())
+        # The script's VISIBLE is None exactly where a kernel's mask argument is not VISIBLE (one decision)
+        self.all_visible = short_mask_code(plain) != "VISIBLE"
         rows = numerics.compared_rows(plain, explicit, "cpu")
         self.some_rows = bool(rows)  # not every query sees a key, or not every key exists: the rows are chosen
         self.empty_rows = bool(rows) and bool(rows["out"]["empty_rows"].any())
@@ -179,7 +185,7 @@ class _Facts:
         self.grouped = plain["kv_heads"] != plain["heads"]
         self.sink = plain["softmax"] == "off-by-one"
         self.bias = plain["bias"] != "no_bias"
-        self.packing = layouts.packing(case) if case.padded else None
+        self.padded = case.padded
         self.judgeable = _always_judgeable(plain, explicit)
 
 
@@ -208,13 +214,13 @@ def _always_judgeable(plain: dict, explicit) -> bool:
 
 def short_repro_text(coords: Coords, env: EnvReport | None, version: str, command: str) -> str | None:
     """The short repro script of a failing probe, or None where the short form does not cover it (`not_covered`)."""
-    from attn_doctor.backends import flash_style, process_of, short_call
+    from attn_doctor.backends import flash_style, process_of
 
-    if not_covered(coords) is not None:
+    call, why_not = _coverage(coords)
+    if why_not is not None:
         return None
     facts = _Facts(coords)
     plain = facts.plain
-    call = short_call(coords.backend, coords.case)
     flash = flash_style(coords.backend)
     environment = process_of(coords.backend)[1]
     launch = ("Run it on the library build it failed on (the loader reads these before Python starts):\n  env "
@@ -261,18 +267,27 @@ def _constants(facts: _Facts) -> str:
              "B, S, SKV, H, HKV, D, DV, SEED = " + ", ".join(str(plain[name]) for name in (
                  "batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "head_dim_v", "seed")),
              f"DTYPE, SCALE = {numerics.TORCH_DTYPES[dtype]}, {plain['scale']!r}  # the inputs' dtype, softmax scale"]
-    if facts.packing is not None or plain["mask"] == "arbitrary":
+    if facts.padded or plain["mask"] == "arbitrary":
         lines.append(f"LENS_Q, LENS_KV = {list(plain['lengths_q'])}, {list(plain['lengths_kv'])}  # each sequence's")
     score_u = numerics.score_precision(numerics.TORCH_DTYPES[dtype])
     eps = numerics.EPS[dtype]
-    constants = (f"EPS, FLOOR, MULTIPLE, CANCELLED, BIAS_Z, BIAS_MIN, SCORE_U = {_power(eps)}, "
-                 f"{numerics.NOISE_EPS[dtype]!r} * {_power(eps)}, {_multiple()!r}, {_power(numerics.CANCELLED)}, "
-                 f"{numerics.BIAS_Z!r}, {numerics.BIAS_EPS[dtype]!r} * {_power(eps)}, {_power(score_u)}")
-    lines.append(constants if len(constants) <= WIDTH else constants.replace(", BIAS_Z", ",\\\n    BIAS_Z", 1).replace(
-        f", {numerics.BIAS_Z!r},", f",\\\n    {numerics.BIAS_Z!r},", 1))
+    rule = {"EPS": _power(eps), "FLOOR": f"{numerics.NOISE_EPS[dtype]!r} * {_power(eps)}", "MULTIPLE": repr(_multiple()),
+            "CANCELLED": _power(numerics.CANCELLED), "BIAS_Z": repr(numerics.BIAS_Z),
+            "BIAS_MIN": f"{numerics.BIAS_EPS[dtype]!r} * {_power(eps)}", "SCORE_U": _power(score_u)}
+    lines += _assignments(rule)
     if facts.empty_rows:
         lines.append(f"EMPTY_EPS = {numerics.EMPTY_ROW_EPS!r}  # rows that see no key: at most this many eps")
     return "\n".join(lines) + "\n"
+
+
+def _assignments(values: dict[str, str]) -> list[str]:
+    """`A, B, ... = a, b, ...` on one line, or on two where one would pass the scripts' width."""
+    line = ", ".join(values) + " = " + ", ".join(values.values())
+    if len(line) <= WIDTH:
+        return [line]
+    names = list(values)
+    half = len(names) // 2
+    return [line for part in (names[:half], names[half:]) for line in _assignments({n: values[n] for n in part})]
 
 
 def _inputs(plain: dict) -> str:
