@@ -178,6 +178,9 @@ class _Facts:
         explicit = numerics.draw_side_inputs(plain, "cpu")[0]
         # The script's VISIBLE is None exactly where a kernel's mask argument is not VISIBLE (one decision)
         self.all_visible = short_mask_code(plain) != "VISIBLE"
+        allowed = numerics.dense_allowed(plain, explicit, "cpu")
+        # Rows that see no key (padding or not): Megatron's softmax gives them 1/n each, then zeroes them
+        self.unseeing_rows = allowed is not None and not bool(allowed.any(-1).all())
         rows = numerics.compared_rows(plain, explicit, "cpu")
         self.some_rows = bool(rows)  # not every query sees a key, or not every key exists: the rows are chosen
         self.empty_rows = bool(rows) and bool(rows["out"]["empty_rows"].any())
@@ -495,14 +498,14 @@ def _reference(facts: _Facts) -> str:
         repeat_kv="\n    k, v = (t.repeat_interleave(H // HKV, dim=2) for t in (k, v))" if facts.grouped else "",
         local_probs=_local_probs(facts),
         local_empty=("\n    probs = probs * VISIBLE.any(-1, keepdim=True)  # rows that see no key: 0 (TE's convention)"
-                     if facts.empty_rows else ""))
+                     if facts.unseeing_rows else ""))
 
 
 def _local_probs(facts: _Facts) -> str:
     """Megatron's masked fp32 softmax, as `standalone.megatron_core_attention` has it for this case."""
     scores = "x.view(b, H, s, SKV).float()" + (" + BIAS.float()" if facts.bias else "")
     if facts.all_visible and not facts.sink:
-        return f"    probs = {scores}.softmax(-1)"
+        return f"    probs = ({scores}).softmax(-1)" if facts.bias else f"    probs = {scores}.softmax(-1)"
     lines = f"    x = {scores}"
     if not facts.all_visible:
         lines += f"\n    x = x.masked_fill(~VISIBLE, {numerics.MEGATRON_MASK_FILL!r})"
