@@ -235,12 +235,8 @@ class UserKernel(Backend):
 
         plain = case.plain()
         target, func = spec.options["target"], spec.options["func"]
-        if target.endswith(".py"):
-            load = ('spec = importlib.util.spec_from_file_location("user_kernel", TARGET)\n'
-                    'USER = importlib.util.module_from_spec(spec)\n'
-                    'spec.loader.exec_module(USER)\n')
-        else:
-            load = "USER = importlib.import_module(TARGET)\n"
+        load = ("FN = runpy.run_path(TARGET)[FUNC]  # the file run as a module, as attn-doctor loads it\n"
+                if target.endswith(".py") else "FN = getattr(importlib.import_module(TARGET), FUNC)\n")
         # The keywords attn-doctor offers (kernel_keywords), each as the script's name for its value
         explicit, bias, sink = draw_side_inputs(plain, "cpu")
         code = {"allowed": short_mask_code(plain), "bias": "BIAS.to(DTYPE)", "softmax_offset": "SINK",
@@ -251,16 +247,15 @@ class UserKernel(Backend):
         from attn_doctor.core.source_text import call_lines
 
         keywords = call_lines("    offered = dict(", [f"{name}={code}" for name, code in offered.items()])
-        return ShortCall("bshd", ("import importlib.util  # noqa: E402\n" if target.endswith(".py") else
+        return ShortCall("bshd", ("import runpy  # noqa: E402\n" if target.endswith(".py") else
                                   "import importlib  # noqa: E402\n") + "import inspect  # noqa: E402\n\n"
                                  f"TARGET, FUNC = {target!r}, {func!r}  # the --kernel\n" + load, f'''
 
 def kernel(q, k, v):
     """The --kernel function, given attn-doctor's keywords (each only if it takes it, by name or **kwargs)."""
-    fn = getattr(USER, FUNC)
-{keywords}    taken = inspect.signature(fn).parameters
+{keywords}    taken = inspect.signature(FN).parameters
     extra = {{n: x for n, x in offered.items() if n in taken or any(p.kind is p.VAR_KEYWORD for p in taken.values())}}
-    return fn(q, k, v, causal={case.causal}, softmax_scale=SCALE, **extra)
+    return FN(q, k, v, causal={case.causal}, softmax_scale=SCALE, **extra)
 ''')
 
     def __init__(self, spec: BackendSpec):

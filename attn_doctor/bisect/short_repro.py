@@ -48,11 +48,11 @@ def inputs():  # q, k, v and the output gradient (bshd), drawn in fp32 as attn-d
 
 REFERENCE = '''
 def reference(q, k, v, do):
-    """Float64 out, dq, dk, dv by autograd; each with the squared sizes of the terms its rows sum (also times the fp32
-    scores' rounding growth (1 + 2 u |lse|)^2): the scale errors are measured on, which stays where a tensor cancels."""
+    # Float64 out, dq, dk, dv; each with the squared sizes of the terms its rows sum, as they are and times the fp32
+    # scores' rounding growth (1 + 2 u |lse|)^2: the scale errors are measured on, which stays where a tensor cancels
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     qh, kh, vh = q.transpose(1, 2), {kv_heads}
-    s = qh @ kh.mT * SCALE{bias}{mask}{sink}
+    s = {scores}{sink}
     lse = s.logsumexp(-1, keepdim=True)
     p = (s - lse).exp().nan_to_num(0.0){sink_drop}
     out = (p @ vh).transpose(1, 2)
@@ -93,8 +93,8 @@ def figures(x, r, t{rows_parameters}):  # x's error against float64 r (its squar
     return f
 
 def judge(m, b{flash_parameter}):
-    """attn-doctor's rule: why x (figures m) fails ("" when right; "cannot tell: ..." where it cannot be judged),
-    and its error over the yardstick: the baseline's (b{flash_doc}), or noise."""{flash_own}
+    # attn-doctor's rule: why x (figures m) fails ("" when right; "cannot tell: ..." where it cannot be judged), and
+    # its error over the yardstick: the baseline's (b{flash_doc}), or noise{flash_own}
     {whole_ratio}
     why = ("NaN/Inf" if m["nonfinite"] else{empty_check} f"error {{whole:.3g}}x the yardstick" if whole > MULTIPLE else{head_check} "")
     for where, (bias, z), limit in (("", m["bias"], {bias_limit}),{head_bias}):
@@ -124,8 +124,7 @@ if __name__ == "__main__":
     q, k, v, do = inputs()
     ref = reference(q, k, v, do)
     got = attend(kernel, views(q, k, v), to_fmt, to_bshd, do)
-    sbhd = lambda t, side: t.transpose(0, 1)  # noqa: E731
-    base = attend(local, [leaf(sbhd(t, "q")) for t in (q, k, v)], sbhd, sbhd, do){flash}
+{baseline}{flash}
     wrong, undecided = [], []
     for name, x, b in zip(ref, got, base):
         m = figures(x, *ref[name]{rows})
@@ -192,26 +191,41 @@ class _Facts:
         self.judgeable = _always_judgeable(plain, explicit)
 
 
-SMALL_ENOUGH = 1 << 20  # score elements up to which the generator evaluates the reference itself
+SLICE_SCORES = 1 << 22  # the largest (batch, kv head) slice whose reference the generator works out itself
+ALL_SCORES = 1 << 28  # and the most scores over all slices
 
 
 def _always_judgeable(plain: dict, explicit) -> bool:
     """Whether the float64 reference of the case is finite and every tensor's every (batch, head) slice has a
     nonzero terms' scale, so that the rule's "cannot tell: the reference" never applies whatever the kernel
     returns (judge_figures: it depends on the reference alone; the candidate's figures are never NaN). Worked out
-    on the CPU for cases of up to SMALL_ENOUGH scores; False (the check stays in the script) above."""
-    if plain["batch"] * plain["heads"] * plain["seq"] * plain["seq_kv"] > SMALL_ENOUGH:
+    on the CPU, one (batch, kv head) slice at a time, up to SLICE_SCORES a slice and ALL_SCORES in all; False (the
+    check stays in the script) above."""
+    batch, heads, kv_heads = plain["batch"], plain["heads"], plain["kv_heads"]
+    group, scores = heads // kv_heads, plain["seq"] * plain["seq_kv"]
+    if group * scores > SLICE_SCORES or batch * heads * scores > ALL_SCORES:
         return False
+    torch = numerics.torch
     q, k, v, dout = numerics.draw_inputs(plain, "cpu")
     _, bias, sink = numerics.draw_side_inputs(plain, "cpu")
-    exact = numerics.dense_reference(q, k, v, dout, plain["scale"], numerics.dense_allowed(plain, explicit, "cpu"),
-                                     numerics.dense_bias(plain, bias, numerics.torch.float64, "cpu"), sink)
+    allowed = numerics.dense_allowed(plain, explicit, "cpu")
+    added = numerics.dense_bias(plain, bias, torch.float64, "cpu")
     rows = numerics.compared_rows(plain, explicit, "cpu")
-    for name in ("out", "dq", "dk", "dv"):
-        sums = numerics.error_sums(exact[name], exact[name], exact[f"{name}_terms"], **rows.get(name, {}))
-        scale = sums["head_sq_ref"] + sums["head_terms"][..., 0]
-        if int(sums["ref_nonfinite"]) or not bool((scale > 0).all()):
-            return False
+    for b in range(batch):
+        for kv_head in range(kv_heads):
+            qs = slice(kv_head * group, (kv_head + 1) * group)
+            exact = numerics.dense_reference(
+                q[b:b + 1, :, qs], k[b:b + 1, :, kv_head:kv_head + 1], v[b:b + 1, :, kv_head:kv_head + 1],
+                dout[b:b + 1, :, qs], plain["scale"],
+                None if allowed is None else allowed[b:b + 1] if allowed.shape[0] > 1 else allowed,
+                None if added is None else added.expand(batch, heads, *added.shape[2:])[b:b + 1, qs],
+                None if sink is None else sink[qs])
+            for name in ("out", "dq", "dk", "dv"):
+                side = {key: None if mask is None else mask[b:b + 1] for key, mask in rows.get(name, {}).items()}
+                sums = numerics.error_sums(exact[name], exact[name], exact[f"{name}_terms"], **side)
+                scale = sums["head_sq_ref"] + sums["head_terms"][..., 0]
+                if int(sums["ref_nonfinite"]) or not bool((scale > 0).all()):
+                    return False
     return True
 
 
@@ -233,7 +247,7 @@ def short_repro_text(coords: Coords, env: EnvReport | None, version: str, comman
                            made_on=_made_on(env), command=command.replace('"', "'").replace("\\", "/"), launch=launch)
     parts = [header, call.setup, _constants(facts), _inputs(plain), _side_and_mask(facts),
              _views(call.fmt, coords.layout, _slots(coords)), call.kernel, _reference(facts), _rule(facts, flash),
-             FLASH if flash else "", _main(facts, flash)]
+             FLASH if flash else "", _main(facts, flash, call.fmt, coords.layout)]
     return _one_screen(_without_unused("".join(parts)))
 
 
@@ -394,6 +408,8 @@ def _visible(facts: _Facts) -> str:
     grid = "I, J = torch.arange(S, device=DEVICE)[:, None], torch.arange(SKV, device=DEVICE)\n"
     if not plain["mask"].startswith("padding") and plain["mask"] != "arbitrary":
         left, right, diag = numerics.visibility(plain["mask"], plain["window"], plain["seq"], plain["seq_kv"])
+        if left < 0 and right == 0:  # causal: key j <= i + diag
+            return f"VISIBLE = torch.ones(S, SKV, dtype=torch.bool, device=DEVICE).tril({diag})[None, None]  # causal"
         return grid + f"VISIBLE = ({_band(left, right, str(diag))})[None, None]  # [1, 1, S, SKV], True: visible"
     diags = [numerics.visibility(plain["mask"], plain["window"], len_q, len_kv)[2]
              for len_q, len_kv in zip(plain["lengths_q"], plain["lengths_kv"])]
@@ -489,8 +505,8 @@ def _reference(facts: _Facts) -> str:
     return REFERENCE.format(
         kv_heads=("k.transpose(1, 2).repeat_interleave(H // HKV, 1), v.transpose(1, 2).repeat_interleave(H // HKV, 1)"
                   if facts.grouped else "k.transpose(1, 2), v.transpose(1, 2)"),
-        bias=" + BIAS" if facts.bias else "",
-        mask="\n    s = s.masked_fill(~VISIBLE, -math.inf)" if visible else "",
+        scores=("(qh @ kh.mT * SCALE" + (" + BIAS" if facts.bias else "") + ").masked_fill(~VISIBLE, -math.inf)"
+                if visible else "qh @ kh.mT * SCALE" + (" + BIAS" if facts.bias else "")),
         sink=("\n    s = torch.cat([s, SINK.double()[None, :, None, None].expand(*s.shape[:-1], 1)], -1)  # the sink logit"
               if facts.sink else ""),
         sink_drop="[..., :SKV]" if facts.sink else "",
@@ -503,16 +519,16 @@ def _reference(facts: _Facts) -> str:
 
 def _local_probs(facts: _Facts) -> str:
     """Megatron's masked fp32 softmax, as `standalone.megatron_core_attention` has it for this case."""
-    scores = "x.view(b, H, s, SKV).float()" + (" + BIAS.float()" if facts.bias else "")
-    if facts.all_visible and not facts.sink:
-        return f"    probs = ({scores}).softmax(-1)" if facts.bias else f"    probs = {scores}.softmax(-1)"
-    lines = f"    x = {scores}"
+    x = "x.view(b, H, s, SKV).float()" + (" + BIAS.float()" if facts.bias else "")
     if not facts.all_visible:
-        lines += f"\n    x = x.masked_fill(~VISIBLE, {numerics.MEGATRON_MASK_FILL!r})"
+        x = f"({x}).masked_fill(~VISIBLE, {numerics.MEGATRON_MASK_FILL!r})" if facts.bias else \
+            f"{x}.masked_fill(~VISIBLE, {numerics.MEGATRON_MASK_FILL!r})"
+    elif facts.bias:
+        x = f"({x})"
     if facts.sink:
-        return lines + ("\n    probs = torch.cat([x, SINK.float().view(1, H, 1, 1).expand(b, H, s, 1)], -1).softmax(-1)"
-                        "[..., :SKV]")
-    return lines + "\n    probs = x.softmax(-1)"
+        return (f"    x = {x}\n    probs = torch.cat([x, SINK.float().view(1, H, 1, 1).expand(b, H, s, 1)], -1)"
+                ".softmax(-1)[..., :SKV]")
+    return f"    probs = {x}.softmax(-1)"
 
 
 def _rule(facts: _Facts, flash: bool) -> str:
@@ -539,11 +555,16 @@ def _rule(facts: _Facts, flash: bool) -> str:
     if flash:
         finite = ('flash["scaled"], flash["worst"], flash["bias"][0], flash["head_bias"][0]' if slices
                   else 'flash["scaled"], flash["bias"][0]')
-        flash_own = (f"\n    f = flash if flash and all(math.isfinite(v) for v in (\n        {finite})) else None"
-                     '\n    own = lambda n: math.hypot(b[n], f[n]) if f else b[n]  # noqa: E731'
-                     '\n    bias_limit = max(abs(b["bias"][0]), abs(f["bias"][0]) if f else 0.0)')
+        # Where the reference is finite with a nonzero scale everywhere (`_always_judgeable`), so are the flash-style
+        # figures computed from it: the script uses them as they are; else only where they are finite.
+        name = "flash" if facts.judgeable else "f"
+        flash_own = ("" if facts.judgeable else
+                     f"\n    f = flash if flash and all(math.isfinite(v) for v in (\n        {finite})) else None")
+        flash_own += (f"\n    own = lambda n: math.hypot(b[n], {name}[n]) if {name} else b[n]  # noqa: E731"
+                      f'\n    bias_limit = max(abs(b["bias"][0]), abs({name}["bias"][0]) if {name} else 0.0)')
         if slices:
-            flash_own += ('\n    head_limit = max(bias_limit, abs(b["head_bias"][0]), abs(f["head_bias"][0]) if f else 0.0)')
+            flash_own += (f'\n    head_limit = max(bias_limit, abs(b["head_bias"][0]), abs({name}["head_bias"][0]) '
+                          f'if {name} else 0.0)')
         own_scaled = 'own("scaled")'
     else:
         flash_own, own_scaled = "", 'b["scaled"]'
@@ -564,20 +585,24 @@ def _rule(facts: _Facts, flash: bool) -> str:
                     if slices else ""),
         bias_limit=bias_limit,
         head_bias=(f' (" in one (batch, head)", m["head_bias"], {head_limit})' if flash else
-                   f'\n                                    (" in one (batch, head)", m["head_bias"], {head_limit})')
+                   f'\n            (" in one (batch, head)", m["head_bias"], {head_limit})')
         if slices else "",
         reference_check="" if facts.judgeable else REFERENCE_CHECK.format(names=names),
         own_findings=(' not in ("NaN/Inf", "non-zero values on rows that see no key")' if empty else ' != "NaN/Inf"'))
 
 
-def _main(facts: _Facts, flash: bool) -> str:
+def _main(facts: _Facts, flash: bool, fmt: str, layout: str) -> str:
     rows = ', *ROWS["q" if name in ("out", "dq") else "kv"]' if facts.some_rows else ""
     flash_code = ""
     if flash:
         flash_rows = ', *ROWS["q" if name == "dq" else "kv"]' if facts.some_rows else ""
         flash_code = ('\n    moves = flash_moves(q, k, do, ref["out"][0])'
                       f"\n    flash = {{name: figures(ref[name][0] + moves[name], *ref[name]{flash_rows}) for name in moves}}")
-    return MAIN.format(flash=flash_code, rows=rows, flash_of=", flash.get(name)" if flash else "")
+    baseline = ('    base = attend(local, [leaf(to_fmt(t, "q")) for t in (q, k, v)], to_fmt, to_bshd, do)'
+                "  # contiguous sbhd" if fmt == "sbhd" and layout == "contiguous" else
+                "    sbhd = lambda t, side: t.transpose(0, 1)  # noqa: E731\n"
+                '    base = attend(local, [leaf(sbhd(t, "q")) for t in (q, k, v)], sbhd, sbhd, do)')
+    return MAIN.format(baseline=baseline, flash=flash_code, rows=rows, flash_of=", flash.get(name)" if flash else "")
 
 
 def _without_unused(script: str) -> str:
