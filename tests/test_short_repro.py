@@ -45,15 +45,15 @@ KNOWN = {
 
 @pytest.mark.parametrize("case, layout, spec", KNOWN.values(), ids=list(KNOWN))
 def test_the_known_faults_repros_fit_one_screen(case, layout, spec):
-    script = short_repro_text(Coords.call(case, spec, layout), None, "0.1.0", "attn-doctor bisect --backend te.fused")
+    script = short_repro_text(Coords.call(case, spec, layout), None, "0.1.0")
     lines = script.splitlines()
     assert len(lines) <= 120, len(lines)
     # the command in the header is copied whole, and a --kernel's file is where it is
-    assert max(len(line) for line in lines[1:] if not line.startswith("TARGET")) <= 120
+    assert max(len(line) for line in lines[1:] if not line.startswith(("TARGET", "Run on the build"))) <= 120
 
 
 def _namespace(case, layout: str, spec=CORRECT) -> dict:
-    script = short_repro_text(Coords.call(case, spec, layout), None, "test", "attn-doctor bisect")
+    script = short_repro_text(Coords.call(case, spec, layout), None, "test")
     assert script is not None, not_covered(Coords.call(case, spec, layout))
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"short_{abs(hash(script))}.py"
     path.write_text(script)
@@ -93,7 +93,7 @@ def test_the_views_are_attn_doctor_s_bitwise(layout, fmt):
 
 def _te_namespace(case, layout: str) -> dict:
     """A TE path's script without TE: its pieces up to the kernel, which is not called here."""
-    script = short_repro_text(Coords.call(case, TE_FUSED, layout), None, "test", "attn-doctor bisect")
+    script = short_repro_text(Coords.call(case, TE_FUSED, layout), None, "test")
     script = "\n".join(line for line in script.splitlines() if "transformer_engine" not in line)
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"short_te_{abs(hash(script))}.py"
     path.write_text(script)
@@ -262,7 +262,7 @@ def test_a_cpu_path_s_short_repro_gives_the_run_s_figures(flags, layout, run_cli
     rows = [Row.from_dict(r) for r in json.loads((tmp_path / "run.json").read_text())["results"]]
     row = next(r for r in rows if r.coords.backend.name == "correct")
     assert row.verdict == "PASS", row.reason
-    script = short_repro_text(row.coords, None, "test", "attn-doctor run")
+    script = short_repro_text(row.coords, None, "test")
     assert script is not None
     (tmp_path / "repro.py").write_text(script)
     (tmp_path / "driver.py").write_text(DRIVER)

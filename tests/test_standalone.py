@@ -123,6 +123,7 @@ def test_the_repro_s_dense_reference_is_attn_doctor_s_tiled_one(fields):
 # from exactly the arguments TE would get, and the backend state a TE repro reads back.
 FAKE_TE = {
     "transformer_engine/__init__.py": "",
+    "transformer_engine_torch.py": "def get_cudnn_version():\n    return 91400\n",  # TE's extension, read back
     "transformer_engine/pytorch/attention/__init__.py": "",
     "transformer_engine/pytorch/attention/dot_product_attention/__init__.py": "",
     "transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py": "_attention_backends = {}\n",
@@ -156,7 +157,8 @@ def test_a_te_repro_calls_te_as_attn_doctor_does(fields, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "FIXED" in proc.stdout and ("'use_fused_attention': True, 'fused_attention_backend': 1" in proc.stdout
+    assert "FIXED" in proc.stdout and ("'use_fused_attention': True, 'fused_attention_backend': 1} on cuDNN 91400"
+                                       in proc.stdout
                                        or case.softmax == "learnable")  # the short form's readback (the full's below)
     full = write_repro(tmp_path / "full", Coords.call(case, BackendSpec("te.fused", "te", {"path": "fused"}), layout),
                        None, "test", "attn-doctor bisect", full=True)

@@ -247,8 +247,8 @@ class UserKernel(Backend):
         from attn_doctor.core.source_text import call_lines
 
         keywords = call_lines("    offered = dict(", [f"{name}={code}" for name, code in offered.items()])
-        return ShortCall("bshd", ("import runpy  # noqa: E402\n" if target.endswith(".py") else
-                                  "import importlib  # noqa: E402\n") + "import inspect  # noqa: E402\n\n"
+        return ShortCall("bshd", ("import runpy\n" if target.endswith(".py") else
+                                  "import importlib\n") + "import inspect\n\n"
                                  f"TARGET, FUNC = {target!r}, {func!r}  # the --kernel\n" + load, f'''
 
 def kernel(q, k, v):

@@ -130,8 +130,8 @@ class SdpaKernel(Backend):
             argument = ("attn_mask=BIAS.to(DTYPE).masked_fill(~VISIBLE, -math.inf), " if visible == "VISIBLE"
                         else "attn_mask=BIAS.to(DTYPE), ")
         gqa = ", enable_gqa=True" if case.kv_heads != case.heads else ""
-        return ShortCall("bshd", "import torch.nn.functional as F  # noqa: E402\n"
-                                 "from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402\n", f'''
+        return ShortCall("bshd", "import torch.nn.functional as F\n"
+                                 "from torch.nn.attention import SDPBackend, sdpa_kernel\n", f'''
 
 def kernel(q, k, v):
     """PyTorch SDPA with only its {kernel} kernel allowed, given the mask as attn-doctor gives it."""

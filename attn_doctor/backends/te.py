@@ -370,11 +370,12 @@ class TEAttention(Backend):
             flags[NONDETERMINISTIC_FLAG] = "0"
         if options.get("sub_backend") is not None:
             flags["NVTE_FUSED_ATTN_BACKEND"] = str(options["sub_backend"])
-        setup = (f"# TE's {options['path']} path alone, forced as TE's tests force it\nos.environ.update({flags!r})\n"
+        setup = (f"os.environ.update({flags!r})  # TE's {options['path']} path alone\n"
                  + ("" if options.get("sub_backend") is not None else 'os.environ.pop("NVTE_FUSED_ATTN_BACKEND", None)\n')
-                 + "import transformer_engine.pytorch as te  # noqa: E402\n"
+                 + "import transformer_engine.pytorch as te\n"
+                 "import transformer_engine_torch as tex\n"
                  "from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa"
-                 "  # noqa: E402\n")
+                 "\n")
         module = [f"{name}={'SCALE' if name == 'softmax_scale' else repr(value)}"
                   for name, value in te_call.module_arguments(case).items()]
         cu_seqlens = packing.cu_seqlens_arguments() if packing is not None else {}
@@ -384,13 +385,14 @@ class TEAttention(Backend):
             f"{name}=" + (code[name] if name in code else f"i32({cu_seqlens[name]})" if name.startswith("cu_seqlens")
                           else repr(value))
             for name, value in te_call.forward_arguments(case, cu_seqlens, explicit, bias, "cpu").items()]
-        i32 = ("    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731\n" if cu_seqlens
+        i32 = ("    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)\n" if cu_seqlens
                else "")
         return ShortCall(case["qkv_format"], setup, (
-            "\ndef kernel(q, k, v):  # TE's DotProductAttention, built and called with the arguments attn-doctor gives it\n"
+            "\ndef kernel(q, k, v):  # TE's DotProductAttention, as attn-doctor builds and calls it\n"
             + i32 + call_lines("    module = te.DotProductAttention(", module) + call_lines("    out = module(", forward)
             + "    print(\"TE ran:\", {n: dpa._attention_backends[n] for n in (\"use_fused_attention\", "
-            "\"fused_attention_backend\")})\n"
+            "\"fused_attention_backend\")},\n"
+            "          \"on cuDNN\", tex.get_cudnn_version())\n"
             "    return out.view(*q.shape[:-2], H, DV)\n"))
 
     @classmethod

@@ -253,7 +253,7 @@ def repro_text(coords: Coords, env: EnvReport | None, version: str, command: str
     if not full:
         from attn_doctor.bisect.short_repro import short_repro_text
 
-        short = short_repro_text(coords, env, version, command)
+        short = short_repro_text(coords, env, version)
         if short is not None:
             return short
     from attn_doctor.backends import repro_source

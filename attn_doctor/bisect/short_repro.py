@@ -26,12 +26,12 @@ from attn_doctor.machine.fingerprint import EnvReport
 from attn_doctor.numerics import standalone as numerics
 
 WIDTH = 120  # the scripts' line length
+OWN_VARIABLES = "ATTN_DOCTOR_"  # attn-doctor's own worker variables: nothing in a script reads them
 
 HEADER = '''#!/usr/bin/env python3
 """{title}
 
-Made by attn-doctor {version}{made_on}:
-  {command}
+Made by attn-doctor {version}{made_on}.
 {launch}Exits 1 while a tensor is wrong by attn-doctor's rule (`judge`), 0 once each is as close to float64 as the baseline.
 """
 import math
@@ -40,16 +40,15 @@ import torch
 '''
 
 INPUTS = '''
-def inputs():  # q, k, v and the output gradient (bshd), drawn in fp32 as attn-doctor draws them: {what}
+def inputs():  # q, k, v, dout (bshd), as attn-doctor draws them: {what}
     g = torch.Generator(DEVICE).manual_seed(SEED)
-    randn = lambda *shape: torch.randn(shape, generator=g, device=DEVICE)  # noqa: E731
+    randn = lambda *shape: torch.randn(shape, generator=g, device=DEVICE)
 {body}    return q, k, v, randn(B, S, H, DV).to(DTYPE)
 '''
 
 REFERENCE = '''
 def reference(q, k, v, do):
-    # Float64 out, dq, dk, dv; each with the squared sizes of the terms its rows sum, as they are and times the fp32
-    # scores' rounding growth (1 + 2 u |lse|)^2: the scale errors are measured on, which stays where a tensor cancels
+    # float64 out, dq, dk, dv, each with the squared sizes of the terms its rows sum (as they are, and x g^2)
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     qh, kh, vh = q.transpose(1, 2), {kv_heads}
     s = {scores}{sink}
@@ -60,13 +59,13 @@ def reference(q, k, v, do):
     p, dh, oh, vh = p.detach(), do.double().transpose(1, 2), out.detach().transpose(1, 2), vh.detach()
     g2 = (1 + 2 * SCORE_U * lse.detach().nan_to_num(0.0, 0.0, 0.0).abs()).square()
     ds = (SCALE * p * ((dh.square() @ vh.square().mT).sqrt() + (dh * oh).square().sum(-1, True).sqrt())).square()
-    sq = lambda t: t.detach().square().sum(-1, True)  # noqa: E731  squared norms
-    by_q = lambda w, x: torch.cat([w @ x, w @ x * g2], -1).transpose(1, 2)  # noqa: E731
-    by_kv = lambda w, x: torch.cat([w.mT @ x, w.mT @ (x * g2)], -1){per_kv_head}.transpose(1, 2)  # noqa: E731
+    sq = lambda t: t.detach().square().sum(-1, True)  # squared norms
+    by_q = lambda w, x: torch.cat([w @ x, w @ x * g2], -1).transpose(1, 2)
+    by_kv = lambda w, x: torch.cat([w.mT @ x, w.mT @ (x * g2)], -1){per_kv_head}.transpose(1, 2)
     terms = by_q(p.square(), sq(vh)), by_q(ds, sq(kh)), by_kv(ds, sq(qh)), by_kv(p.square(), sq(dh))
     return dict(zip(("out", "dq", "dk", "dv"), zip((out.detach(), *grads), terms)))
 
-def local(q, k, v):  # the baseline: Megatron's local core attention (sbhd; fp32 softmax, probabilities in DTYPE)
+def local(q, k, v):  # the baseline: Megatron's local core attention (sbhd)
     s, b = q.shape[:2]{repeat_kv}
     x = torch.baddbmm(q.new_empty(b * H, s, SKV), q.reshape(s, b * H, D).transpose(0, 1),
                       k.reshape(SKV, b * H, D).transpose(0, 1).transpose(1, 2), beta=0.0, alpha=SCALE)
@@ -76,25 +75,24 @@ def local(q, k, v):  # the baseline: Megatron's local core attention (sbhd; fp32
 '''
 
 RULE = '''
-ratio = lambda err, scale: err / scale if scale > 0 else (0.0 if err == 0 else math.inf)  # noqa: E731
+ratio = lambda err, scale: err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
 
-def figures(x, r, t{rows_parameters}):  # x's error against float64 r (its squared term sizes: t), as attn-doctor's
+def figures(x, r, t{rows_parameters}):  # x's error against float64 r, as attn-doctor measures it
     x = x.double(){rows_code}
     f = {{"nonfinite": int((~x.isfinite()).sum()), "ref_nonfinite": int((~r.isfinite()).sum())}}
-    ok = x.isfinite() & r.isfinite()  # NaN/Inf are counted, not summed
+    ok = x.isfinite() & r.isfinite()
     e, r = (x - r).where(ok, 0.0), r.where(ok, 0.0)
     ee, rr, proj = e.square().sum((1, 3)), r.square().sum((1, 3)), (e * r).sum(3)  # per (batch, head); per row
     scale, noisy, p, p2 = rr + t[..., 0].sum(1), rr + t[..., 1].sum(1), proj.sum(1), proj.square().sum(1)
-    total, err = float(scale.sum()), float(ee.sum()) ** 0.5
-    bias_of = lambda p, p2, rr: (0.0, 0.0) if rr <= 0 or p2 <= 0 else (float(p / rr), float(p / p2**0.5))  # noqa: E731
-    f.update(rel=ratio(err, float(rr.sum()) ** 0.5), scaled=ratio(err, total**0.5), bias=bias_of(p.sum(), p2.sum(),
-             rr.sum()), share=(float(rr.sum()) / total) ** 0.5 if total > 0 else 1.0,  # ||r|| / its terms' scale
+    total, err, norm = float(scale.sum()), float(ee.sum()) ** 0.5, float(rr.sum()) ** 0.5
+    bias_of = lambda p, p2, rr: (0.0, 0.0) if rr <= 0 or p2 <= 0 else (float(p / rr), float(p / p2**0.5))
+    f.update(rel=ratio(err, norm), scaled=ratio(err, total**0.5), bias=bias_of(p.sum(), p2.sum(), rr.sum()),
+             share=norm / total**0.5 if total > 0 else 1.0,
              noise=(float(noisy.sum()) / total) ** 0.5 if total > 0 else 1.0){head_figures}{empty_size}
     return f
 
 def judge(m, b{flash_parameter}):
-    # attn-doctor's rule: why x (figures m) fails ("" when right; "cannot tell: ..." where it cannot be judged), and
-    # its error over the yardstick: the baseline's (b{flash_doc}), or noise{flash_own}
+    # attn-doctor's rule: why x (figures m) fails, or "cannot tell: ...", and its error over the yardstick{flash_own}
     {whole_ratio}
     why = ("NaN/Inf" if m["nonfinite"] else{empty_check} f"error {{whole:.3g}}x the yardstick" if whole > MULTIPLE else{head_check} "")
     for where, (bias, z), limit in (("", m["bias"], {bias_limit}),{head_bias}):
@@ -108,14 +106,14 @@ REFERENCE_CHECK = '''
         return "cannot tell: the float64 reference is not finite here (or its terms' scale is 0)", whole'''
 
 FLASH = '''
-def flash_moves(q, k, do, out):  # what a correct flash-style backward's D = rowsum(dO * O), from O rounded, moves
+def flash_moves(q, k, do, out):  # a correct flash-style backward's own error: D = rowsum(dO * O) from O rounded
     moved = (do.double() * (out.to(DTYPE).double() - out)).sum(-1, keepdim=True)
     keys = reference(q, k, k, moved * q.double())
     return {"dq": -SCALE * moved * keys["out"][0], "dk": -SCALE * keys["dv"][0]}
 '''
 
 MAIN = '''
-def attend(call, views, to_fmt, to_bshd, do):  # out, dq, dk, dv of `call` on `views`, as bshd
+def attend(call, views, to_fmt, to_bshd, do):  # out, dq, dk, dv, bshd
     out = call(*views)
     grads = torch.autograd.grad(out, views, to_fmt(do, "q").contiguous())
     return [to_bshd(t.detach(), side) for t, side in zip((out, *grads), ("q", "q", "kv", "kv"))]
@@ -134,7 +132,7 @@ if __name__ == "__main__":
               + "WRONG: " * (name in wrong) + why)
     print("STILL WRONG: " + ", ".join(wrong) if wrong else "CANNOT TELL: " + ", ".join(undecided) if undecided
           else "FIXED", flush=True)
-    os._exit(1 if wrong or undecided else 0)  # the verdict: teardown at exit (CUDA, TE) cannot change it
+    os._exit(1 if wrong or undecided else 0)  # the verdict; teardown cannot change it
 '''
 
 
@@ -229,8 +227,10 @@ def _always_judgeable(plain: dict, explicit) -> bool:
     return True
 
 
-def short_repro_text(coords: Coords, env: EnvReport | None, version: str, command: str) -> str | None:
-    """The short repro script of a failing probe, or None where the short form does not cover it (`not_covered`)."""
+def short_repro_text(coords: Coords, env: EnvReport | None, version: str) -> str | None:
+    """The short repro script of a failing probe, or None where the short form does not cover it (`not_covered`).
+    It names the machine and versions it was made on; the command that found the fault is in the results and the
+    issue body, not repeated here."""
     from attn_doctor.backends import flash_style, process_of
 
     call, why_not = _coverage(coords)
@@ -240,11 +240,11 @@ def short_repro_text(coords: Coords, env: EnvReport | None, version: str, comman
     plain = facts.plain
     flash = flash_style(coords.backend)
     environment = process_of(coords.backend)[1]
-    launch = ("Run it on the library build it failed on (the loader reads these before Python starts):\n  env "
-              + " ".join(f"{name}={shlex.quote(value)}" for name, value in environment.items())
-              + " python3 THIS_FILE\n") if environment else ""
+    loader = {name: value for name, value in environment.items() if not name.startswith(OWN_VARIABLES)}
+    launch = ("Run on the build it failed on: env " + " ".join(f"{name}={shlex.quote(value)}" for name, value in
+                                                              loader.items()) + " python3 THIS_FILE\n") if loader else ""
     header = HEADER.format(title=f"{coords.backend.name} on {coords.describe()}", version=version,
-                           made_on=_made_on(env), command=command.replace('"', "'").replace("\\", "/"), launch=launch)
+                           made_on=_made_on(env), launch=launch)
     parts = [header, call.setup, _constants(facts), _inputs(plain), _side_and_mask(facts),
              _views(call.fmt, coords.layout, _slots(coords)), call.kernel, _reference(facts), _rule(facts, flash),
              FLASH if flash else "", _main(facts, flash, call.fmt, coords.layout)]
@@ -259,17 +259,13 @@ def _multiple() -> float:
 
 
 def _made_on(env: EnvReport | None) -> str:
-    """" on <GPU>, torch ..., TE ...": the machine and the libraries the probe ran with (the path's own cuDNN
-    build is in its name)."""
+    """" on <GPU> (TE x, torch y)": the machine and the libraries the probe ran with (the path's own cuDNN build is
+    in its name)."""
     if env is None:
         return ""
-    from attn_doctor.machine.env_rows import env_rows
-
-    values = dict(env_rows(env))
-    found = [values[label] if label == "GPU 0" else f"{label} {values[label]}"
-             for label in ("GPU 0", "torch", "Transformer Engine")
-             if values.get(label) and not values[label].startswith("n/a")]
-    return (" on " + ", ".join(found)) if found else ""
+    versions = ", ".join(f"{name} {fact.value}" for name, fact in (("TE", env.te), ("torch", env.torch)) if fact.value)
+    gpu = f" on {env.gpus[0].name}" if env.gpus else ""
+    return gpu + (f" ({versions})" if versions else "")
 
 
 def _power(value: float) -> str:
@@ -313,7 +309,7 @@ def _inputs(plain: dict) -> str:
     shapes = "(B, S, H, D), (B, SKV, HKV, D), (B, SKV, HKV, DV)"
     if kind == "uniform":
         body = ("    uniform = lambda *shape: torch.rand(shape, generator=g, device=DEVICE).mul_(2.0).sub_(1.0).mul_(3**0.5)"
-                "  # noqa: E731\n"
+                "\n"
                 f"    q, k, v = (uniform(*shape).to(DTYPE) for shape in ({shapes}))\n")
         what = "uniform, unit variance"
     elif kind == "structured":
@@ -352,7 +348,7 @@ def _inputs(plain: dict) -> str:
                 f"    q, k, v = (q * {factor!r}).to(DTYPE), (k * {factor!r}).to(DTYPE), v.to(DTYPE)\n")
         what = f"standard normal, q and k x{factor:g}"
     elif kind == "normal":
-        return ("\ndef inputs():  # q, k, v and the output gradient (bshd), drawn in fp32 as attn-doctor draws them\n"
+        return ("\ndef inputs():  # q, k, v, dout (bshd), as attn-doctor draws them\n"
                 "    g = torch.Generator(DEVICE).manual_seed(SEED)\n"
                 "    return [torch.randn(shape, generator=g, device=DEVICE).to(DTYPE)\n"
                 f"            for shape in ({shapes}, (B, S, H, DV))]\n")
@@ -431,7 +427,7 @@ def _band(left: int, right: int, diag: str) -> str:
     return " & ".join(parts)
 
 
-LEAF = "leaf = lambda t: t.detach().clone(memory_format=torch.contiguous_format).requires_grad_()  # noqa: E731\n"
+LEAF = "leaf = lambda t: t.detach().clone(memory_format=torch.contiguous_format).requires_grad_()\n"
 
 
 def _slots(coords: Coords) -> tuple[list[int], list[int]] | None:
@@ -451,21 +447,21 @@ def _views(fmt: str, layout: str, slots: tuple[list[int], list[int]] | None) -> 
                    "enumerate(slots)])\n"
                    f"         for side, n, slots in ((\"q\", S, {slots[0]}), (\"kv\", SKV, {slots[1]}))}}"
                    "  # thd tokens in bshd\n"
-                   "to_fmt = lambda t, side: t.flatten(0, 1)[INDEX[side]]  # noqa: E731\n"
+                   "to_fmt = lambda t, side: t.flatten(0, 1)[INDEX[side]]\n"
                    "to_bshd = lambda t, side: t.new_zeros(B * (S if side == \"q\" else SKV), *t.shape[1:]).index_copy_(\n"
-                   "    0, INDEX[side], t).unflatten(0, (B, -1))  # noqa: E731\n")
+                   "    0, INDEX[side], t).unflatten(0, (B, -1))\n")
     elif fmt == "sbhd":
-        convert = "to_fmt = to_bshd = lambda t, side: t.transpose(0, 1)  # noqa: E731  sbhd views of bshd tensors\n"
+        convert = "to_fmt = to_bshd = lambda t, side: t.transpose(0, 1)  # sbhd views of bshd tensors\n"
     else:
-        convert = "to_fmt = to_bshd = lambda t, side: t  # noqa: E731  the kernel takes bshd\n"
+        convert = "to_fmt = to_bshd = lambda t, side: t  # the kernel takes bshd\n"
     sides = 'zip((q, k, v), ("q", "kv", "kv"))'
     if layout == "contiguous":
         return ("\n" + convert + LEAF + f"views = lambda q, k, v: [leaf(to_fmt(t, side)) for t, side in {sides}]"
-                "  # noqa: E731\n")
+                "\n")
     elif layout == "transposed" and fmt in ("bshd", "sbhd"):
         other = "t.transpose(0, 1)" if fmt == "bshd" else "t"
         return ("\n" + convert + LEAF + f"views = lambda q, k, v: [leaf({other}).transpose(0, 1) for t in (q, k, v)]"
-                f"  # noqa: E731  {'sbhd' if fmt == 'bshd' else 'bshd'} storage\n")
+                f"  # {'sbhd' if fmt == 'bshd' else 'bshd'} storage\n")
     elif layout == "head_slice":
         what = "the second half of the heads of tensors twice as wide"
         body = (f"    g = torch.Generator(DEVICE).manual_seed({numerics.HEAD_SLICE_SEED})\n"
@@ -544,7 +540,7 @@ def _rule(facts: _Facts, flash: bool) -> str:
                          "  # rows that see no key: on their own"
                          "\n    empty_rows = (int(empty.sum()) * x.shape[2] if empty is not None else 0, "
                          "int((~on.isfinite()).sum()), float(on.nan_to_num(0.0, 0.0, 0.0).abs().max()))" + rows_code)
-    head_figures = ("\n    at = int(torch.where(p2 > 0, p / p2.clamp_min(1e-300).sqrt(), 0.0).abs().argmax())  # most biased head"
+    head_figures = ("\n    at = int(torch.where(p2 > 0, p / p2.clamp_min(1e-300).sqrt(), 0.0).abs().argmax())"
                     "\n    heads = torch.where(scale > 0, ee / scale.clamp_min(1e-300), ee * math.inf).nan_to_num(0.0, math.inf)"
                     "\n    f.update(worst=float(heads.max()) ** 0.5, head_bias=bias_of(*(a.flatten()[at] for a in (p, p2, rr))),"
                     "\n             head_noise=float(torch.where(scale > 0, noisy / scale.clamp_min(1e-300), 1.0).max()) ** 0.5)"
@@ -560,7 +556,7 @@ def _rule(facts: _Facts, flash: bool) -> str:
         name = "flash" if facts.judgeable else "f"
         flash_own = ("" if facts.judgeable else
                      f"\n    f = flash if flash and all(math.isfinite(v) for v in (\n        {finite})) else None")
-        flash_own += (f"\n    own = lambda n: math.hypot(b[n], {name}[n]) if {name} else b[n]  # noqa: E731"
+        flash_own += (f"\n    own = lambda n: math.hypot(b[n], {name}[n]) if {name} else b[n]"
                       f'\n    bias_limit = max(abs(b["bias"][0]), abs({name}["bias"][0]) if {name} else 0.0)')
         if slices:
             flash_own += (f'\n    head_limit = max(bias_limit, abs(b["head_bias"][0]), abs({name}["head_bias"][0]) '
@@ -574,7 +570,6 @@ def _rule(facts: _Facts, flash: bool) -> str:
     return RULE.format(
         rows_parameters=", rows, empty=None" if rows else "", rows_code=rows_code, head_figures=head_figures,
         empty_size=empty_size, flash_parameter=", flash=None" if flash else "",
-        flash_doc="; flash: a flash-style backward's rounding" if flash else "",
         floor=numerics.NOISE_EPS[facts.plain["dtype"]], flash_own=flash_own,
         whole_ratio=(f'whole = ratio(m["scaled"], max({own_scaled}, FLOOR * m["noise"]))' if not slices else
                      f'whole, head = (ratio(m[n], max({own_scaled.replace(chr(34) + "scaled" + chr(34), "n")}, FLOOR * m[z]))'
@@ -600,7 +595,7 @@ def _main(facts: _Facts, flash: bool, fmt: str, layout: str) -> str:
                       f"\n    flash = {{name: figures(ref[name][0] + moves[name], *ref[name]{flash_rows}) for name in moves}}")
     baseline = ('    base = attend(local, [leaf(to_fmt(t, "q")) for t in (q, k, v)], to_fmt, to_bshd, do)'
                 "  # contiguous sbhd" if fmt == "sbhd" and layout == "contiguous" else
-                "    sbhd = lambda t, side: t.transpose(0, 1)  # noqa: E731\n"
+                "    sbhd = lambda t, side: t.transpose(0, 1)\n"
                 '    base = attend(local, [leaf(sbhd(t, "q")) for t in (q, k, v)], sbhd, sbhd, do)')
     return MAIN.format(baseline=baseline, flash=flash_code, rows=rows, flash_of=", flash.get(name)" if flash else "")
 

@@ -48,13 +48,19 @@ def report(app: Application, results: tuple[Path, ...], fmt: str, output: Path |
     if len(machines) > 1 and fmt == "issue":
         raise BadInput(f"these results come from {len(machines)} machines; an issue is one machine's: report "
                        "each machine's folders on their own")
-    texts = []
+    texts, advice = [], []
     for number, document in enumerate(machines, start=1):
         first = next(source for source in loaded if machine_key(source.report.env) == machine_key(document.env))
         bisects = [b for source in loaded for b in source.bisects] if len(loaded) > 1 else first.bisects
         data = ReportData(document, first.directory, known=known.known_defects(document), bisects=bisects,
                           source=first.source)
-        text = _render(data, fmt)
+        if fmt == "issue":  # one machine (above); its advice is for the reporter's terminal, not the body
+            from attn_doctor.render.issue import issue_body
+
+            body = issue_body(data)
+            text, advice = body.text, body.advice
+        else:
+            text = _render(data, fmt)
         if len(machines) > 1:
             text = _titled(text, fmt, f"Machine {number} of {len(machines)}: {machine_title(document.env)}")
         texts.append(text)
@@ -66,13 +72,18 @@ def report(app: Application, results: tuple[Path, ...], fmt: str, output: Path |
         identity = this_machine()
         for source in loaded:  # every document's: a machine's rows come from several
             identity = identity | identity_of(source.report.env)
-        text = cap(text if keep_identity else redact(text, identity))
+        from attn_doctor.render.issue import ISSUE_CUT_NOTE, ISSUE_LIMIT
+
+        text = text if keep_identity else redact(text, identity)
+        text = cap(text, ISSUE_LIMIT, ISSUE_CUT_NOTE) if fmt == "issue" else cap(text)
     if output:
         saved, why = write_or_keep(output, text)
         if why:
             return app.kept_elsewhere(why, saved)
     else:
         click.echo(text, nl=False)
+    for label, line in advice:  # on stderr: the body on stdout stays what is pasted
+        app.err_console.print(f"{label:<8} {line}", soft_wrap=True)
     return EXIT_OK
 
 
@@ -81,10 +92,6 @@ def _render(data, fmt: str) -> str:
         from attn_doctor.render.markdown import report_markdown
 
         return report_markdown(data)
-    if fmt == "issue":
-        from attn_doctor.render.issue import report_issue
-
-        return report_issue(data)
     if fmt == "html":
         from attn_doctor.render.html import report_html
 

@@ -32,20 +32,27 @@ class Section:
     share: float
     table: bool = False
     folded: Section | None = None
+    named: str = ""  # what a page that leaves the whole section out calls it ("" : its heading's words)
+
+    def name(self) -> str:
+        return self.named or self.head[0].strip("*").lower()
 
     def size(self, items: int | None = None) -> int:
         shown = self.items if items is None else self.items[:items]
         return sum(len(line) + 1 for line in (*self.head, *shown, *self.tail))
 
-    def render(self, budget: int) -> list[str]:
+    def render(self, budget: int, note=left_out_note) -> list[str]:
+        """The section within `budget` characters; `note(count)` says what was left out."""
         if self.size() <= budget:
             return [*self.head, *self.items, *self.tail]
         if self.folded is not None:
-            return self.folded.render(budget)
+            return self.folded.render(budget, note)
         shown = 0
         while shown < len(self.items) and self.size(shown + 1) + 200 <= budget:
             shown += 1
-        return [*self.head, *self.items[:shown], *([""] if self.table else []), left_out_note(len(self.items) - shown),
+        # A table's header and delimiter rows are its heading's last two lines: without a row they are no table
+        head = self.head[:-2] if self.table and not shown else self.head
+        return [*head, *self.items[:shown], *([""] if self.table and shown else []), note(len(self.items) - shown),
                 *self.tail]
 
 
@@ -69,14 +76,14 @@ CUT_NOTE = (f"_… the rest is left out to fit GitHub's {GITHUB_LIMIT:,}-charact
             "`attn-doctor report RESULTS --format html` shows it all._")
 
 
-def cap(text: str, limit: int = GITHUB_LIMIT) -> str:
+def cap(text: str, limit: int = GITHUB_LIMIT, note: str = CUT_NOTE) -> str:
     """`text` if it fits `limit`, else its first lines that fit, with what they left open closed (a code
-    fence, <details> blocks) and a note of the cut."""
+    fence, <details> blocks) and `note` of the cut."""
     if len(text) <= limit:
         return text
     kept: list[str] = []
     size, fenced, details = 0, False, 0
-    room = limit - len(CUT_NOTE) - 4
+    room = limit - len(note) - 4
     for line in text.split("\n"):
         still_fenced, open_details = fenced, details
         if line.startswith(FENCE):
@@ -90,4 +97,4 @@ def cap(text: str, limit: int = GITHUB_LIMIT) -> str:
         size += len(line) + 1
         fenced, details = still_fenced, open_details
     closing_lines = ([FENCE] if fenced else []) + ["</details>"] * max(details, 0)
-    return "\n".join([*kept, *closing_lines, "", CUT_NOTE, ""])
+    return "\n".join([*kept, *closing_lines, "", note, ""])

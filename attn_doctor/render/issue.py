@@ -4,17 +4,20 @@ code to reproduce it, expected behavior, environment overview and details, addit
 
 The fault is the bisected one where a bisect was run (its minimal case and the conditions it needs), else
 the worst failing row (`ReportData.fault`); every faulty path of a large run is one line at the end. The
-standalone repro is inline, folded. The body stays under GitHub's 65,536 characters: the lists are cut to
-fit (`attn_doctor.render.fit`), and the repro is left to attach when it alone would not fit.
+short standalone repro is inline, folded. The body stays within ISSUE_LIMIT characters, one screen: the lists are
+cut to fit (`attn_doctor.render.fit`), what they leave out is in the results file the body names, and the repro is
+named to attach when it alone would not fit. The body speaks to the maintainer; what the reporter should do
+(bisect first, attach files) is `IssueBody.advice`, for the reporter's terminal.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 from attn_doctor.results.bisect_record import Condition
-from attn_doctor.render.fit import GITHUB_LIMIT, SLACK, Section, fit_sections
+from attn_doctor.render.fit import Section
 from attn_doctor.render.format import TENSOR_TITLES, ratio, sci
 from attn_doctor.render.markdown import (
     bisect_lines,
@@ -36,22 +39,41 @@ from attn_doctor.render.report_data import (
 )
 from attn_doctor.results.report import RunReport
 from attn_doctor.results.row import Row
-from attn_doctor.verdict.rule import FAIL, rule_sentence
+from attn_doctor.verdict.rule import FAIL
 
-# The repro is inlined while the rest of the body keeps what its lists need, or at least this much room for them
-# (cut to fit what is left): 4,500 keeps a TE path's repro of a flash-style case (55,000 characters) inline.
-LIST_ROOM = 4_500
+# A body a maintainer reads in one screen: the template's sections, the short repro inline, within this many
+# characters (TE's tracker takes GitHub's 65,536). What does not fit is in the files the body names.
+ISSUE_LIMIT = 12_000
+ISSUE_SLACK = 150  # left for the joins and the redaction's replacements
+PRIORITY = (1, 2, 3, 0)  # of the lists (right paths, known issue, code location, every fault): which keep a place
+NEEDS = {2: 1}  # a list shown only beside another
+NAMED_ROOM = 200  # for a note of what was left out
+ISSUE_CUT_NOTE = "_… the rest is left out to keep this body one screen; the attached results file holds it all._"
 DETAIL_CHARS = 3_000  # of a crash's detail (its last lines: where it died)
+
+
+@dataclass(frozen=True)
+class IssueBody:
+    """The issue body, the files it asks the reporter to attach, and the advice for the reporter's terminal (never
+    in the body: the body speaks to the maintainer)."""
+    text: str
+    attach: list[str]
+    advice: list[tuple[str, str]]  # (label, line): a line the reporter copies, such as the bisect command
 
 
 def report_issue(data: ReportData) -> str:
     """The issue body, or one plain paragraph when nothing failed (no issue to file)."""
+    return issue_body(data).text
+
+
+def issue_body(data: ReportData) -> IssueBody:
+    """The issue body within ISSUE_LIMIT: the fault, the short repro inline (named to attach when even it does not
+    fit), the template's sections; lists cut to fit, what they leave out named in the attached results file."""
     fault = data.fault
     if fault is None:
-        return no_issue(data.report)
-    top = [f"**Title:** {escape(issue_title(fault, data.report))}", "",
-           ("<!-- Made by attn-doctor: paste the title above into the title field and the rest as the body; "
-            "fill in the environment overview. -->"), ""]
+        return IssueBody(no_issue(data.report), [], [])
+    results = data.source.name if data.source is not None else "the results file"
+    top = [f"**Title:** {escape(issue_title(fault, data.report))}", ""]
     if fault.row.family != "te":
         top += [(f"_{escape(fault.row.backend)} is not a Transformer Engine path: this report belongs with the "
                  "tracker of the library that provides it._"), ""]
@@ -61,13 +83,49 @@ def report_issue(data: ReportData) -> str:
     bottom = environment(data.report, fault.builds) + additional_context(data.report)
     sections = [right_paths_section(fault), known_section(data.known), locations_section(data.known),
                 faults_section(fault)]
-    shown = [s for s in sections if s is not None]
-    lists = min(LIST_ROOM, sum(s.size() for s in shown))  # what the lists need, up to their reserved room
+    # The repro comes first; the lists get what it leaves.
     fixed = sum(len(line) + 1 for line in top + after + bottom)
-    top += reproduce(fault, room=GITHUB_LIMIT - SLACK - lists - fixed)
-    top += after
-    fitted = fit_sections(sum(len(line) + 1 for line in top + bottom), shown)
-    return "\n".join(top + [line for lines in fitted for line in lines] + bottom)
+    steps, attach = reproduce(fault, room=ISSUE_LIMIT - ISSUE_SLACK - fixed)
+    top += steps + after
+    left = ISSUE_LIMIT - ISSUE_SLACK - NAMED_ROOM - sum(len(line) + 1 for line in top + bottom)  # room: the line
+    # naming the lists left out
+
+    def left_out(count: int) -> str:
+        attach.append(results)
+        return f"_… and {count} more, in the attached {escape(results)}._"
+
+    def least(section: Section) -> int:  # its heading and first item, with room for the note when more are left
+        return section.size(1) + (NAMED_ROOM if len(section.items) > 1 else 0)
+
+    # In order of what tells a maintainer most, each list gets what it needs of what is left once the lists after
+    # it that still fit have their least; a list whose least does not fit is named instead.
+    kept = []
+    for i in PRIORITY:
+        needs = NEEDS.get(i)  # the code location is the known defect's: never without it
+        if sections[i] is not None and (needs is None or needs in kept) and least(sections[i]) <= left - sum(
+                least(sections[k]) for k in kept):
+            kept.append(i)
+    rendered = {}
+    for n, i in enumerate(kept):
+        budget = min(sections[i].size(), left - sum(least(sections[k]) for k in kept[n + 1:]))
+        rendered[i] = sections[i].render(budget, left_out)
+        left -= sum(len(line) + 1 for line in rendered[i])
+    dropped = [s for i, s in enumerate(sections) if s is not None and i not in rendered]
+    if dropped:
+        attach.append(results)
+        titles = ", ".join(section.name() for section in dropped)
+        bottom = [f"_Left out to keep this body one screen, and in the attached {escape(results)}: {titles}._", "",
+                  *bottom]
+    text = "\n".join(top + [line for i in sorted(rendered) for line in rendered[i]] + bottom)
+    attach = list(dict.fromkeys(attach))
+    advice = [("paste:", "the title line into the issue's title field, the rest as its body; fill in the "
+                         "environment overview")]
+    if fault.bisect is None and fault.bisect_command is not None:
+        advice += [("bisect:", f"{fault.bisect_command}  (first: the body then states the minimal case and the "
+                               "conditions it needs; report the bisect's folder with --format issue)")]
+    if attach:
+        advice += [("attach:", ", ".join(attach) + "  (the body names them)")]
+    return IssueBody(text, attach, advice)
 
 
 def no_issue(report: RunReport) -> str:
@@ -174,27 +232,27 @@ def minimal_case(fault: Fault) -> list[str]:
     if fault.bisect_command is None:
         return lines + ["Not bisected: `attn-doctor bisect` follows one process, and this fault ran on several ranks.",
                         ""]
-    return lines + [("Not bisected yet. This command shrinks the case to the smallest one that still fails, names "
-                     "the conditions it needs and writes a standalone repro; then report its folder with "
-                     "`attn-doctor report FOLDER --format issue`:"), "", "```bash", fault.bisect_command, "```", ""]
+    return lines + ["Not bisected: the case is the run's own, above.", ""]
 
 
-def reproduce(fault: Fault, room: int) -> list[str]:
-    """The standalone repro script folded (while it fits `room`), and the attn-doctor command."""
+def reproduce(fault: Fault, room: int) -> tuple[list[str], list[str]]:
+    """The standalone repro script folded (while it fits `room`), and the attn-doctor command; the files the
+    reporter is to attach."""
     lines = ["**Steps/Code to reproduce bug**", ""]
     script, name = fault.repro_script, fault.repro_name
-    if script is not None and len(script) + 200 <= room:
-        lines += [("A standalone script (PyTorch, and TE for a TE path; no attn-doctor): it rebuilds the inputs "
-                   "from the seed and the same views, runs the path, compares it with float64 and Megatron's local "
-                   "attention, and exits 1 while the path is wrong, 0 once it is fixed."), "",
-                  *repro_lines(name, script)]
+    attach = []
+    inline = [] if script is None else ["A script needing PyTorch (and TE) alone; it exits 1 while the path is wrong, "
+                                        "0 once it is fixed:", "", *repro_lines(name, script)]
+    if script is not None and sum(len(line) + 1 for line in inline) <= room:
+        return lines + inline, attach  # the script is the check: attn-doctor's own command would only repeat it
     elif script is not None:
-        lines += [(f"The standalone repro script is too long to inline here ({len(script):,} characters): attach "
-                   f"{escape(name)} to the issue."), ""]
+        lines += [f"The standalone repro script, {escape(name)} ({script.count(chr(10))} lines), is attached.", ""]
+        attach.append(name)
     elif name:
-        lines += [(f"The bisect's standalone repro script, {escape(name)}, was not found beside its document: attach "
-                   "it from where the bisect wrote it."), ""]
-    return lines + ["With attn-doctor installed, the same check:", "", "```bash", fault.row.repro_command(), "```", ""]
+        lines += [f"The standalone repro script, {escape(name)}, is attached.", ""]
+        attach.append(name)
+    return lines + ["With attn-doctor installed, the same check:", "", "```bash", fault.row.repro_command(), "```",
+                    ""], attach
 
 
 def expected(fault: Fault) -> list[str]:
@@ -208,25 +266,30 @@ def expected(fault: Fault) -> list[str]:
             lines += ["<details><summary>Error details</summary>", "", *detail_lines(row.detail[-DETAIL_CHARS:]),
                       "</details>", ""]
         return lines
-    lines += [(f"The output and the gradients agree with float64 (computed from the same {dtype} inputs) as closely "
-               f"as a correct {dtype} implementation does on them: Megatron-LM's local attention, never credited "
-               f"with less than rounding noise. Measured on {escape(row.coords.describe())}:"), ""]
+    lines += [(f"Each tensor agrees with float64 (from the same {dtype} inputs) as closely as a correct {dtype} "
+               "implementation does: Megatron-LM's local attention, never below rounding noise. Measured on "
+               f"{escape(row.coords.describe())}:"), ""]
+    # One screen: the per-(batch, head) column where there is more than one slice, NaN/Inf where there are any
+    slices = row.case.batch * row.case.heads > 1
+    nonfinite = any(f.nan or f.inf for f in fault.figures)
     header = ["tensor", f"correct {dtype} error", "FAIL above", "measured", "× correct",
-              "worst (b, h): measured / baseline", "cosine", "NaN / Inf", "verdict"]
+              *(["worst (b, h): measured / baseline"] if slices else []), *(["NaN / Inf"] if nonfinite else []),
+              "verdict"]
     body = []
     for f in fault.figures:
         failed = f.verdict == FAIL
         measured = sci(f.measured) + ("*" if f.scale != "relative" else "")
         body.append([TENSOR_TITLES.get(f.tensor, f.tensor), sci(f.correct), sci(f.fail_above),
                      f"**{measured}**" if failed else measured, f"**{ratio(f.ratio)}**" if failed else ratio(f.ratio),
-                     f"{sci(f.worst_head)} / {sci(f.baseline_worst_head)}", cosine_text(f.cosine),
-                     f"{f.nan} / {f.inf}", f"**{f.verdict}**" if failed else f.verdict])
-    note = ("Errors are relative L2 errors against float64 (*: against the scale of the terms the tensor is summed "
-            "from, where the exact tensor cancels).")
+                     *([f"{sci(f.worst_head)} / {sci(f.baseline_worst_head)}"] if slices else []),
+                     *([f"{f.nan} / {f.inf}"] if nonfinite else []), f"**{f.verdict}**" if failed else f.verdict])
+    notes = []
+    if any(f.scale != "relative" for f in fault.figures):
+        notes.append("*: against the scale of the terms the tensor is summed from, where the exact tensor cancels.")
     if fault.bisect is not None and fault.bisect.rebuilt:
-        note += (" This bisect predates recorded rows: the figures are those its probe notes state (n/a where they do "
-                 "not); the repro prints every one.")
-    return lines + [table(header, body), "", note, ""]
+        notes.append("This bisect predates recorded rows: the figures are those its probe notes state (n/a where they "
+                     "do not); the repro prints every one.")
+    return lines + [table(header, body), ""] + ([" ".join(notes), ""] if notes else [])
 
 
 def cosine_text(value: float) -> str:
@@ -241,9 +304,8 @@ def right_paths_section(fault: Fault) -> Section | None:
     rows = table(header, [[escape(r.backend), escape(path_name(r)), escape(r.layout), escape(r.case.short())]
                           + [tensor_text(r, n) for n in names] for r in fault.right]).split("\n")
     return Section(["**Paths that are right on the same inputs**", "",
-                    ("The same q, k, v and output gradient (same case and seed), on the same views where the layout "
-                     "is the same: a path that passes here rules out the inputs, and a TE path that fails where "
-                     "PyTorch's cuDNN path (sdpa.cudnn) passes points at TE's own code rather than cuDNN."), "",
+                    "The same q, k, v and output gradient (same case and seed), on the same views where the layout is:",
+                    "",
                     *rows[:2]], rows[2:], [""], share=0.35, table=True)
 
 
@@ -254,7 +316,8 @@ def known_section(known: list[str]) -> Section:
                         ""], [], [], share=0.05)
     return Section(["**Known issue**", "", ("attn-doctor matches this machine and case to known defects (if one is "
                                             "this fault, add to that issue rather than filing a new one):"), ""],
-                   [f"- {escape(line)}" for line in known], [""], share=0.15)
+                   [f"- {escape(line)}" for line in known], [""], share=0.15,
+                   named=f"known issue ({len(known)} matching known defect{'s' if len(known) > 1 else ''})")
 
 
 def locations_section(known: list[str]) -> Section | None:
@@ -278,8 +341,7 @@ def faults_section(fault: Fault) -> Section | None:
         items.append(f"- {escape(f.backend)}{ran}: {what} on layout {escape(', '.join(f.layouts))}; {len(f.cases)} "
                      f"case{'s' if len(f.cases) != 1 else ''} ({escape(cases)}){worst}")
     return Section(["**Every fault in this run**", "",
-                    ("The fault above is one of these; each line is one kernel path (`attn-doctor report RESULTS "
-                     "--format html` shows every row):"), ""], items, [""], share=0.30)
+                    "The fault above is one of these; each line is one kernel path:", ""], items, [""], share=0.30)
 
 
 def environment(report: RunReport, builds: RowBuilds | None = None) -> list[str]:
@@ -290,9 +352,9 @@ def environment(report: RunReport, builds: RowBuilds | None = None) -> list[str]
     if env is None:
         return lines + ["Not recorded in these results: run `attn-doctor env` on the machine and paste its output.",
                         ""]
-    lines += ["- Environment location: not recorded by attn-doctor; state bare-metal, Docker (image and tag) or cloud.",
-              (f"- Method of Transformer Engine install: {escape(te_install(env))}; state the exact command (pip, or "
-               "a source build)."), "", "**Environment details**", ""]
+    lines += ["- Environment location: _(bare-metal, Docker image and tag, or cloud)_",
+              f"- Method of Transformer Engine install: {escape(te_install(env))} _(the exact command)_", "",
+              "**Environment details**", ""]
     return lines + [table(["", ""], [[escape(label), escape(value)]
                                      for label, value in template_environment(env, builds)]), ""]
 
@@ -300,7 +362,4 @@ def environment(report: RunReport, builds: RowBuilds | None = None) -> list[str]
 def additional_context(report: RunReport) -> list[str]:
     made = ", ".join(x for x in (f"attn-doctor {report.tool_version}" if report.tool_version else "", report.created)
                      if x)
-    return ["**Additional context**", "",
-            ("How the verdict is reached: the reference is float64, computed from the very low-precision inputs the "
-             f"path received; the yardstick is Megatron-LM's local attention on the same inputs. {rule_sentence()}"),
-            "", f"<sub>Found with {escape(report.command)}{' — ' + escape(made) if made else ''}</sub>", ""]
+    return ["**Additional context**", "", f"<sub>Found with {escape(report.command)}{' — ' + escape(made) if made else ''}</sub>", ""]
