@@ -1,31 +1,55 @@
 #!/usr/bin/env bash
-# Issue 34's evidence on the H200 (not yet run: no device was lent in the session that wrote it).
-# The three TE faults the tool found (reports/h200/api, reports/h200/upstream), each bisected minimal case run on
-# every cuDNN build found there (system 9.14.0, which TE loads; pip 9.19.0, which torch loads), then bisected with
-# the cuDNN build as a knob. Usage, from the project root on the device:  bash reports/h200/cudnn/evidence.sh DIR
+# The three TE faults the tool found (reports/h200/api, reports/h200/upstream): each minimal case run on every
+# cuDNN build found there (system 9.14.0, which TE loads; pip 9.19.0, which torch loads), bisected with the first
+# build (the cuDNN build one of its knobs), reported as an issue body (stdout) with the reporter's advice (stderr),
+# and its short repro run as a maintainer would, `python3 repro.py` in a fresh process: with the `env` line the
+# body gives (the build it failed on) and with the other build's. Usage, from the project root on the device:
+#   bash reports/h200/cudnn/evidence.sh DIR [CASE ...]     (CASE: bias111s thd-head-dim strided; default: all)
 set -u
-out=${1:?usage: evidence.sh OUTPUT_DIR}
+out=${1:?usage: evidence.sh OUTPUT_DIR [CASE ...]}
+shift
 mkdir -p "$out"
 ad() { PYTHONPATH=$PWD python3 -m attn_doctor "$@"; }
 builds=${CUDNN_BUILDS:-9.14.0,9.19.0}
 
-ad env > "$out/env.txt" 2>&1  # the "cuDNN builds" line: every build, and which one TE and torch load
+[ -f "$out/env.txt" ] || ad env > "$out/env.txt" 2>&1  # every build, and which one TE and torch load
 
 declare -A cases=(
   [bias111s]="--batch 1 --seq 2 --heads 1 --head-dim 8 --dtype fp16 --mask no_mask --bias post_scale_bias:111s --seed 1234 --layout contiguous"
   [thd-head-dim]="--batch 1 --seq 1 --heads 1 --head-dim 136 --dtype fp16 --mask padding --qkv-format thd --seqlens 1 --seed 1234 --layout contiguous"
   [strided]="--batch 2 --seq 2 --heads 1 --head-dim 8 --dtype fp16 --mask no_mask --seed 1234 --layout transposed"
 )
-for name in "${!cases[@]}"; do
-  # shellcheck disable=SC2086  # the flags are words
-  ad run --backend te.fused --cudnn "$builds" ${cases[$name]} --device cuda --json "$out/run-$name.json" \
-    > "$out/run-$name.txt" 2>&1
-  echo "run $name: exit $?" >> "$out/exit-codes.txt"
-  # shellcheck disable=SC2086
-  ad bisect --backend te.fused --cudnn "${builds%%,*}" ${cases[$name]} --device cuda --out "$out/bisect-$name" \
-    > "$out/bisect-$name.txt" 2>&1
-  echo "bisect $name: exit $?" >> "$out/exit-codes.txt"
-  ad report "$out/bisect-$name" --format issue > "$out/issue-$name.md" 2>&1
+# The loader variables of a build, as a maintainer would set them (attn-doctor's own worker variable left out).
+loader() {
+  PYTHONPATH=$PWD python3 - "$1" <<'PY'
+import shlex, sys
+from attn_doctor.machine.cudnn_builds import find_builds, loader_environment, resolve
+build = resolve(sys.argv[1], find_builds())
+print(" ".join(f"{k}={shlex.quote(v)}" for k, v in loader_environment(build, {}).items() if not k.startswith("ATTN_DOCTOR_")))
+PY
+}
+for name in "${@:-bias111s thd-head-dim strided}"; do
+  for one in $name; do
+    # shellcheck disable=SC2086  # the flags are words
+    ad run --backend te.fused --cudnn "$builds" ${cases[$one]} --device cuda --json "$out/run-$one.json" \
+      > "$out/run-$one.txt" 2>&1
+    echo "run $one: exit $?" >> "$out/exit-codes.txt"
+    # shellcheck disable=SC2086
+    ad bisect --backend te.fused --cudnn "${builds%%,*}" ${cases[$one]} --device cuda --out "$out/bisect-$one" \
+      > "$out/bisect-$one.txt" 2>&1
+    echo "bisect $one: exit $?" >> "$out/exit-codes.txt"
+    ad report "$out/bisect-$one" --format issue > "$out/issue-$one.md" 2> "$out/issue-$one.advice.txt"
+    echo "report $one: exit $? ($(wc -c < "$out/issue-$one.md") characters)" >> "$out/exit-codes.txt"
+    repro=$(ls "$out/bisect-$one"/repro_*.py)
+    # the body's own line (the build the fault was bisected on), THIS_FILE as the script
+    line=$(grep -o 'env .* python3 THIS_FILE' "$out/issue-$one.md" | head -1 | sed "s|THIS_FILE|$repro|")
+    (cd /tmp && eval "$line") > "$out/repro-$one-${builds%%,*}.txt" 2>&1
+    echo "repro $one, the body's line (${builds%%,*}): exit $?" >> "$out/exit-codes.txt"
+    for build in ${builds//,/ }; do
+      (cd /tmp && eval "env $(loader "$build") python3 $repro") > "$out/repro-$one-$build-loader.txt" 2>&1
+      echo "repro $one, env for cuDNN $build: exit $?" >> "$out/exit-codes.txt"
+    done
+  done
 done
 # The table fault x cuDNN build, read back from the rows (each row's extra.cudnn is what TE loaded).
 PYTHONPATH=$PWD python3 - "$out" <<'PY' > "$out/table.md"
