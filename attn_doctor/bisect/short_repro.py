@@ -32,7 +32,7 @@ HEADER = '''#!/usr/bin/env python3
 """{title}
 
 Made by attn-doctor {version}{made_on}.
-{launch}Exits 1 while a tensor is wrong by attn-doctor's rule (`judge`), 0 once each is as close to float64 as the baseline.
+{launch}Exits 1 while a tensor is wrong by attn-doctor's rule (`judge`), 0 once every one is right.
 """
 import math
 import os
@@ -48,7 +48,7 @@ def inputs():  # q, k, v, dout (bshd), as attn-doctor draws them: {what}
 
 REFERENCE = '''
 def reference(q, k, v, do):
-    # float64 out, dq, dk, dv, each with the squared sizes of the terms its rows sum (as they are, and x g^2)
+    # float64, and the squared sizes of the terms each row sums (as they are, and x g^2)
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     qh, kh, vh = q.transpose(1, 2), {kv_heads}
     s = {scores}{sink}
@@ -92,7 +92,7 @@ def figures(x, r, t{rows_parameters}):  # x's error against float64 r, as attn-d
     return f
 
 def judge(m, b{flash_parameter}):
-    # attn-doctor's rule: why x (figures m) fails, or "cannot tell: ...", and its error over the yardstick{flash_own}
+    # attn-doctor's rule: why x (figures m) fails, or "cannot tell: ...", and its error / the yardstick{flash_own}
     {whole_ratio}
     why = ("NaN/Inf" if m["nonfinite"] else{empty_check} f"error {{whole:.3g}}x the yardstick" if whole > MULTIPLE else{head_check} "")
     for where, (bias, z), limit in (("", m["bias"], {bias_limit}),{head_bias}):
@@ -106,7 +106,7 @@ REFERENCE_CHECK = '''
         return "cannot tell: the float64 reference is not finite here (or its terms' scale is 0)", whole'''
 
 FLASH = '''
-def flash_moves(q, k, do, out):  # a correct flash-style backward's own error: D = rowsum(dO * O) from O rounded
+def flash_moves(q, k, do, out):  # a correct flash-style backward's own error (D from O rounded)
     moved = (do.double() * (out.to(DTYPE).double() - out)).sum(-1, keepdim=True)
     keys = reference(q, k, k, moved * q.double())
     return {"dq": -SCALE * moved * keys["out"][0], "dk": -SCALE * keys["dv"][0]}
@@ -128,8 +128,8 @@ if __name__ == "__main__":
         m = figures(x, *ref[name]{rows})
         why, whole = judge(m, figures(b, *ref[name]{rows}){flash_of})
         (undecided if why.startswith("cannot") else wrong if why else []).append(name)
-        print(f"{{name:4}} relative {{m['rel']:9.3e}}, over its terms {{m['scaled']:9.3e}}, {{whole:8.3g}}x the yardstick  "
-              + "WRONG: " * (name in wrong) + why)
+        print(f"{{name:4}} relative {{m['rel']:9.3e}}, scaled {{m['scaled']:9.3e}}, {{whole:.3g}}x the yardstick",
+              "WRONG:" * (name in wrong), why)
     print("STILL WRONG: " + ", ".join(wrong) if wrong else "CANNOT TELL: " + ", ".join(undecided) if undecided
           else "FIXED", flush=True)
     os._exit(1 if wrong or undecided else 0)  # the verdict; teardown cannot change it
@@ -231,7 +231,7 @@ def short_repro_text(coords: Coords, env: EnvReport | None, version: str) -> str
     """The short repro script of a failing probe, or None where the short form does not cover it (`not_covered`).
     It names the machine and versions it was made on; the command that found the fault is in the results and the
     issue body, not repeated here."""
-    from attn_doctor.backends import flash_style, process_of
+    from attn_doctor.backends import flash_style
 
     call, why_not = _coverage(coords)
     if why_not is not None:
@@ -239,16 +239,29 @@ def short_repro_text(coords: Coords, env: EnvReport | None, version: str) -> str
     facts = _Facts(coords)
     plain = facts.plain
     flash = flash_style(coords.backend)
-    environment = process_of(coords.backend)[1]
-    loader = {name: value for name, value in environment.items() if not name.startswith(OWN_VARIABLES)}
-    launch = ("Run on the build it failed on: env " + " ".join(f"{name}={shlex.quote(value)}" for name, value in
-                                                              loader.items()) + " python3 THIS_FILE\n") if loader else ""
+    launch = _launch(coords)
     header = HEADER.format(title=f"{coords.backend.name} on {coords.describe()}", version=version,
                            made_on=_made_on(env), launch=launch)
     parts = [header, call.setup, _constants(facts), _inputs(plain), _side_and_mask(facts),
              _views(call.fmt, coords.layout, _slots(coords)), call.kernel, _reference(facts), _rule(facts, flash),
              FLASH if flash else "", _main(facts, flash, call.fmt, coords.layout)]
     return _one_screen(_without_unused("".join(parts)))
+
+
+def _launch(coords: Coords) -> str:
+    """The line that runs the script on the cuDNN build the probe asked for: the loader variables attn-doctor starts
+    its worker with (`loader_environment`, without attn-doctor's own and without this machine's other library
+    folders), the build's folder written once as $D; "" for a path that asks for no build."""
+    cudnn = coords.backend.options.get("cudnn")
+    if not cudnn:
+        return ""
+    from attn_doctor.machine.cudnn_builds import CudnnBuild, loader_environment
+
+    folder = cudnn["directory"]
+    loader = {name: value.replace(folder, "$D") for name, value in
+              loader_environment(CudnnBuild.from_dict(cudnn), {}).items() if not name.startswith(OWN_VARIABLES)}
+    return (f"Run on the build it failed on: D={shlex.quote(folder)}; env "
+            + " ".join(f'{name}="{value}"' for name, value in loader.items()) + " python3 THIS_FILE\n")
 
 
 def _multiple() -> float:
@@ -280,7 +293,7 @@ def _constants(facts: _Facts) -> str:
              "B, S, SKV, H, HKV, D, DV, SEED = " + ", ".join(str(plain[name]) for name in (
                  "batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "head_dim_v", "seed")),
              f"DTYPE, SCALE = {numerics.TORCH_DTYPES[dtype]}, {plain['scale']!r}  # the inputs' dtype, softmax scale"]
-    if facts.padded or plain["mask"] == "arbitrary":
+    if facts.padded or plain["mask"] == "arbitrary" or facts.some_rows:  # read by VISIBLE's sequences or ROWS
         lines.append(f"LENS_Q, LENS_KV = {list(plain['lengths_q'])}, {list(plain['lengths_kv'])}  # each sequence's")
     score_u = numerics.score_precision(numerics.TORCH_DTYPES[dtype])
     eps = numerics.EPS[dtype]

@@ -20,7 +20,6 @@ from attn_doctor.results.bisect_record import Condition
 from attn_doctor.render.fit import Section
 from attn_doctor.render.format import TENSOR_TITLES, ratio, sci
 from attn_doctor.render.markdown import (
-    bisect_lines,
     detail_lines,
     escape,
     repro_lines,
@@ -49,6 +48,7 @@ PRIORITY = (1, 2, 3, 0)  # of the lists (right paths, known issue, code location
 NEEDS = {2: 1}  # a list shown only beside another
 NAMED_ROOM = 200  # for a note of what was left out
 ISSUE_CUT_NOTE = "_… the rest is left out to keep this body one screen; the attached results file holds it all._"
+NOT_ASKED = ("CPU",)  # environment rows TE's template does not ask for and no attention path depends on
 DETAIL_CHARS = 3_000  # of a crash's detail (its last lines: where it died)
 
 
@@ -203,7 +203,7 @@ def summary(fault: Fault) -> str:
         text += f", and so is {escape(row.backend)} itself {on_layouts}." if layouts else "."
     elif layouts:
         text += f" On the same inputs {escape(row.backend)} itself is right {on_layouts}."
-    if fault.found_on is not None:
+    if fault.found_on is not None and fault.bisect is None:  # a bisect says so under "Minimal case"
         text += f" attn-doctor bisected it from {escape(fault.found_on.coords.describe())} down to this case."
     builds = fault.builds.sentence(path_name(row))
     return f"{text} {escape(builds)}" if builds else text
@@ -218,9 +218,8 @@ def worst_sentence(worst: Figure, dtype: str) -> str:
     else:
         what = "relative error" if worst.scale == "relative" else "error against its terms' scale"
         measured = worst.measured
-    return (f"Against float64 computed from the same {dtype} inputs, {title}'s {what} is {amount(measured)} where a "
-            f"correct {dtype} implementation gets {amount(worst.correct)} ({escape(worst.yardstick)}): "
-            f"{ratio(worst.ratio)} that, where attn-doctor calls a tensor wrong above {worst.multiple:g}×.")
+    return (f"{title}'s {what} is {amount(measured)} where a correct {dtype} implementation gets "
+            f"{amount(worst.correct)} ({escape(worst.yardstick)}): {ratio(worst.ratio)} that.")
 
 
 # --- the template's sections --------------------------------------------------------------------------------
@@ -228,11 +227,27 @@ def worst_sentence(worst: Figure, dtype: str) -> str:
 def minimal_case(fault: Fault) -> list[str]:
     lines = ["**Minimal case**", ""]
     if fault.bisect is not None:
-        return lines + bisect_lines(fault.bisect)
+        return lines + bisect_facts(fault.bisect)
     if fault.bisect_command is None:
         return lines + ["Not bisected: `attn-doctor bisect` follows one process, and this fault ran on several ranks.",
                         ""]
     return lines + ["Not bisected: the case is the run's own, above.", ""]
+
+
+def bisect_facts(bisect) -> list[str]:
+    """What a bisect found, for a maintainer: the minimal case, the conditions it needs, where the fault first shows,
+    the check on a correct path (the simplifications that changed the failure are in the bisect document)."""
+    lines = [(f"`attn-doctor bisect` shrank {escape(bisect.start.describe())} to "
+              f"**{escape(bisect.minimal.describe())}**, which still fails the same way."), ""]
+    if bisect.necessary:
+        lines += ["Necessary conditions (simplifying any one of them makes the failure go away):", ""]
+        lines += [f"- {escape(c.knob)}: {escape(c.clause())}" for c in bisect.necessary] + [""]
+    else:
+        lines += ["No condition is necessary among the knobs attn-doctor turns: it fails on the plainest case tried.",
+                  ""]
+    facts = [("First wrong", bisect.diagnosis.get("first_wrong")),
+             ("Checked on a correct path", bisect.diagnosis.get("minimal_case_checked"))]
+    return lines + [f"- {label}: {escape(value)}." for label, value in facts if value] + [""]
 
 
 def reproduce(fault: Fault, room: int) -> tuple[list[str], list[str]]:
@@ -267,19 +282,19 @@ def expected(fault: Fault) -> list[str]:
                       "</details>", ""]
         return lines
     lines += [(f"Each tensor agrees with float64 (from the same {dtype} inputs) as closely as a correct {dtype} "
-               "implementation does: Megatron-LM's local attention, never below rounding noise. Measured on "
-               f"{escape(row.coords.describe())}:"), ""]
+               "implementation (Megatron-LM's local attention, never below rounding noise); attn-doctor calls it "
+               f"wrong above {fault.figures[0].multiple:g}× that. Measured on {escape(row.coords.describe())}:"), ""]
     # One screen: the per-(batch, head) column where there is more than one slice, NaN/Inf where there are any
     slices = row.case.batch * row.case.heads > 1
     nonfinite = any(f.nan or f.inf for f in fault.figures)
-    header = ["tensor", f"correct {dtype} error", "FAIL above", "measured", "× correct",
+    header = ["tensor", f"correct {dtype} error", "measured", "× correct",
               *(["worst (b, h): measured / baseline"] if slices else []), *(["NaN / Inf"] if nonfinite else []),
               "verdict"]
     body = []
     for f in fault.figures:
         failed = f.verdict == FAIL
         measured = sci(f.measured) + ("*" if f.scale != "relative" else "")
-        body.append([TENSOR_TITLES.get(f.tensor, f.tensor), sci(f.correct), sci(f.fail_above),
+        body.append([TENSOR_TITLES.get(f.tensor, f.tensor), sci(f.correct),
                      f"**{measured}**" if failed else measured, f"**{ratio(f.ratio)}**" if failed else ratio(f.ratio),
                      *([f"{sci(f.worst_head)} / {sci(f.baseline_worst_head)}"] if slices else []),
                      *([f"{f.nan} / {f.inf}"] if nonfinite else []), f"**{f.verdict}**" if failed else f.verdict])
@@ -355,8 +370,8 @@ def environment(report: RunReport, builds: RowBuilds | None = None) -> list[str]
     lines += ["- Environment location: _(bare-metal, Docker image and tag, or cloud)_",
               f"- Method of Transformer Engine install: {escape(te_install(env))} _(the exact command)_", "",
               "**Environment details**", ""]
-    return lines + [table(["", ""], [[escape(label), escape(value)]
-                                     for label, value in template_environment(env, builds)]), ""]
+    return lines + [table(["", ""], [[escape(label), escape(value)] for label, value in
+                                     template_environment(env, builds) if label not in NOT_ASKED]), ""]
 
 
 def additional_context(report: RunReport) -> list[str]:

@@ -41,14 +41,25 @@ for name in "${@:-bias111s thd-head-dim strided}"; do
     ad report "$out/bisect-$one" --format issue > "$out/issue-$one.md" 2> "$out/issue-$one.advice.txt"
     echo "report $one: exit $? ($(wc -c < "$out/issue-$one.md") characters)" >> "$out/exit-codes.txt"
     repro=$(ls "$out/bisect-$one"/repro_*.py)
-    # the body's own line (the build the fault was bisected on), THIS_FILE as the script
-    line=$(grep -o 'env .* python3 THIS_FILE' "$out/issue-$one.md" | head -1 | sed "s|THIS_FILE|$repro|")
+    # the line the script (inline in the body) gives for the build it failed on, THIS_FILE as the script
+    line=$(grep -o 'D=.* python3 THIS_FILE' "$repro" | head -1 | sed "s|THIS_FILE|$repro|")
+    grep -q '```python' "$out/issue-$one.md" && echo "issue $one: the repro is inline" >> "$out/exit-codes.txt"
     (cd /tmp && eval "$line") > "$out/repro-$one-${builds%%,*}.txt" 2>&1
-    echo "repro $one, the body's line (${builds%%,*}): exit $?" >> "$out/exit-codes.txt"
+    echo "repro $one, its own line (${builds%%,*}): exit $? [$line]" >> "$out/exit-codes.txt"
     for build in ${builds//,/ }; do
-      (cd /tmp && eval "env $(loader "$build") python3 $repro") > "$out/repro-$one-$build-loader.txt" 2>&1
-      echo "repro $one, env for cuDNN $build: exit $?" >> "$out/exit-codes.txt"
+      vars=$(loader "$build")
+      (cd /tmp && eval "env $vars python3 $repro") > "$out/repro-$one-$build-loader.txt" 2>&1
+      echo "repro $one, env for cuDNN $build: exit $? [$vars]" >> "$out/exit-codes.txt"
     done
+  done
+done
+# Which cuDNN TE loads in a plain process (a maintainer's), torch imported first or TE first, with each build's
+# loader variables: read back from TE and from the process's memory map.
+for build in ${builds//,/ }; do
+  vars=$(loader "$build")
+  for order in "import torch; import transformer_engine.pytorch" "import transformer_engine.pytorch; import torch"; do
+    (cd /tmp && eval "env $vars python3 -c \"$order; import transformer_engine_torch as tex; print('$build', '$order', tex.get_cudnn_version(), sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libcudnn.so' in l}))\"") \
+      >> "$out/which-cudnn.txt" 2>&1
   done
 done
 # The table fault x cuDNN build, read back from the rows (each row's extra.cudnn is what TE loaded).
