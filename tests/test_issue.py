@@ -111,8 +111,8 @@ def test_issue_of_a_run_follows_tes_template(report_of, fixed_known):
     # one screen: beside the short repro (8,000 characters at b4 s1024 h16) the known issue comes first; the lists
     # without room are named, in the results file the body names
     assert "**Known issue**" in found and "**Paths that are right on the same inputs**" not in found
-    assert ("_Left out to keep this body one screen, and in the attached results.json: paths that are right on the "
-            "same inputs, suspected code location._") in issue
+    assert found.index("**Suspected code location**") == found.index("**Known issue**") + 1
+    assert "_Left out (one screen), in the attached results.json: paths that are right on the same inputs._" in issue
     assert len(issue) <= ISSUE_LIMIT
 
 
@@ -542,7 +542,8 @@ def test_a_path_that_reads_back_no_cudnn_is_not_given_one_it_did_not_use():
 # --- one screen -------------------------------------------------------------------------------------------------
 
 ONE_SCREEN = [EVIDENCE / "cudnn" / "run-2" / f"run-{name}.json" for name in ("thd-head-dim", "bias111s", "strided")] + [
-    EVIDENCE / "run-default" / "results.json", H200_RUN]
+    EVIDENCE / "run-default" / "results.json", H200_RUN] + [
+    EVIDENCE / "cudnn" / "run-3" / f"bisect-{name}" for name in ("thd-head-dim", "bias111s", "strided")]
 
 
 @pytest.mark.parametrize("path", ONE_SCREEN, ids=[f"{p.parent.name}/{p.name}" for p in ONE_SCREEN])
@@ -557,5 +558,9 @@ def test_the_body_is_one_screen_with_the_short_repro_inline(path, run_cli, no_kn
     assert script.startswith("#!/usr/bin/env python3") and len(script.splitlines()) <= 120
     assert [h for h in headings(issue) if h in TEMPLATE_ORDER][:4] == TEMPLATE_ORDER[:4]
     assert "left out to keep this body one screen; the attached" not in issue  # never cut by the last guard
-    assert "attn-doctor bisect" not in issue and "attn-doctor report" not in issue
-    assert "bisect:  attn-doctor bisect --from" in result.stderr
+    assert "attn-doctor bisect --from" not in issue and "attn-doctor report" not in issue
+    bisected = path.is_dir()
+    assert ("bisect:  attn-doctor bisect --from" in result.stderr) != bisected
+    if bisected:  # the bisect's facts, for the maintainer: its conditions and what confirmed them
+        section = issue.split("**Minimal case**", 1)[1].split("**Steps/Code", 1)[0]
+        assert "Necessary conditions" in section and "- Confirmed at the end: fails again; passes at " in section

@@ -43,10 +43,10 @@ from attn_doctor.verdict.rule import FAIL
 # A body a maintainer reads in one screen: the template's sections, the short repro inline, within this many
 # characters (TE's tracker takes GitHub's 65,536). What does not fit is in the files the body names.
 ISSUE_LIMIT = 12_000
-ISSUE_SLACK = 150  # left for the joins and the redaction's replacements
+ISSUE_SLACK = 100  # left for the redaction's replacements (the last guard, `cap`, cuts at a line beyond it)
 PRIORITY = (1, 2, 3, 0)  # of the lists (right paths, known issue, code location, every fault): which keep a place
 NEEDS = {2: 1}  # a list shown only beside another
-NAMED_ROOM = 200  # for a note of what was left out
+NAMED_ROOM = 200  # a list's least room beyond its first item: for the note of what it left out
 ISSUE_CUT_NOTE = "_… the rest is left out to keep this body one screen; the attached results file holds it all._"
 NOT_ASKED = ("CPU",)  # environment rows TE's template does not ask for and no attention path depends on
 DETAIL_CHARS = 3_000  # of a crash's detail (its last lines: where it died)
@@ -84,11 +84,17 @@ def issue_body(data: ReportData) -> IssueBody:
     sections = [right_paths_section(fault), known_section(data.known), locations_section(data.known),
                 faults_section(fault)]
     # The repro comes first; the lists get what it leaves.
-    fixed = sum(len(line) + 1 for line in top + after + bottom)
+    present = [section for section in sections if section is not None]
+
+    def left_out_line(dropped: list[Section]) -> list[str]:
+        titles = ", ".join(section.name() for section in dropped)
+        return [f"_Left out (one screen), in the attached {escape(results)}: {titles}._", ""] if dropped else []
+
+    # Room is kept for the line naming the lists left out, at its longest (every list left out).
+    fixed = sum(len(line) + 1 for line in top + after + bottom + left_out_line(present))
     steps, attach = reproduce(fault, room=ISSUE_LIMIT - ISSUE_SLACK - fixed)
     top += steps + after
-    left = ISSUE_LIMIT - ISSUE_SLACK - NAMED_ROOM - sum(len(line) + 1 for line in top + bottom)  # room: the line
-    # naming the lists left out
+    left = ISSUE_LIMIT - ISSUE_SLACK - sum(len(line) + 1 for line in top + bottom + left_out_line(present))
 
     def left_out(count: int) -> str:
         attach.append(results)
@@ -113,9 +119,7 @@ def issue_body(data: ReportData) -> IssueBody:
     dropped = [s for i, s in enumerate(sections) if s is not None and i not in rendered]
     if dropped:
         attach.append(results)
-        titles = ", ".join(section.name() for section in dropped)
-        bottom = [f"_Left out to keep this body one screen, and in the attached {escape(results)}: {titles}._", "",
-                  *bottom]
+        bottom = [*left_out_line(dropped), *bottom]
     text = "\n".join(top + [line for i in sorted(rendered) for line in rendered[i]] + bottom)
     attach = list(dict.fromkeys(attach))
     advice = [("paste:", "the title line into the issue's title field, the rest as its body; fill in the "
@@ -205,7 +209,7 @@ def summary(fault: Fault) -> str:
         text += f" On the same inputs {escape(row.backend)} itself is right {on_layouts}."
     if fault.found_on is not None and fault.bisect is None:  # a bisect says so under "Minimal case"
         text += f" attn-doctor bisected it from {escape(fault.found_on.coords.describe())} down to this case."
-    builds = fault.builds.sentence(path_name(row))
+    builds = fault.builds.sentence("It")  # the path, named at the paragraph's start
     return f"{text} {escape(builds)}" if builds else text
 
 
@@ -219,7 +223,7 @@ def worst_sentence(worst: Figure, dtype: str) -> str:
         what = "relative error" if worst.scale == "relative" else "error against its terms' scale"
         measured = worst.measured
     return (f"{title}'s {what} is {amount(measured)} where a correct {dtype} implementation gets "
-            f"{amount(worst.correct)} ({escape(worst.yardstick)}): {ratio(worst.ratio)} that.")
+            f"{amount(worst.correct)} ({escape(worst.yardstick.split(':')[0])}): {ratio(worst.ratio)} that.")
 
 
 # --- the template's sections --------------------------------------------------------------------------------
@@ -235,17 +239,23 @@ def minimal_case(fault: Fault) -> list[str]:
 
 
 def bisect_facts(bisect) -> list[str]:
-    """What a bisect found, for a maintainer: the minimal case, the conditions it needs, where the fault first shows,
-    the check on a correct path (the simplifications that changed the failure are in the bisect document)."""
+    """What a bisect found, for a maintainer: the minimal case, the conditions it needs, the confirmations run on
+    them at the end, where the fault first shows, the check on a correct path (the simplifications that changed the
+    failure are in the bisect document)."""
     lines = [(f"`attn-doctor bisect` shrank {escape(bisect.start.describe())} to "
               f"**{escape(bisect.minimal.describe())}**, which still fails the same way."), ""]
     if bisect.necessary:
-        lines += ["Necessary conditions (simplifying any one of them makes the failure go away):", ""]
+        lines += ["Necessary conditions (simplifying any one of them removes the failure):", ""]
         lines += [f"- {escape(c.knob)}: {escape(c.clause())}" for c in bisect.necessary] + [""]
     else:
         lines += ["No condition is necessary among the knobs attn-doctor turns: it fails on the plainest case tried.",
                   ""]
-    facts = [("First wrong", bisect.diagnosis.get("first_wrong")),
+    confirms = [step for step in bisect.probes if step.knob == "confirm"]
+    confirmed = "; ".join(part for part in (
+        "fails again" if any(step.fails for step in confirms) else "",
+        "passes at " + ", ".join(step.tried for step in confirms if not step.fails)
+        if any(not step.fails for step in confirms) else "") if part)
+    facts = [("Confirmed at the end", confirmed), ("First wrong", bisect.diagnosis.get("first_wrong")),
              ("Checked on a correct path", bisect.diagnosis.get("minimal_case_checked"))]
     return lines + [f"- {label}: {escape(value)}." for label, value in facts if value] + [""]
 
@@ -281,9 +291,9 @@ def expected(fault: Fault) -> list[str]:
             lines += ["<details><summary>Error details</summary>", "", *detail_lines(row.detail[-DETAIL_CHARS:]),
                       "</details>", ""]
         return lines
-    lines += [(f"Each tensor agrees with float64 (from the same {dtype} inputs) as closely as a correct {dtype} "
-               "implementation (Megatron-LM's local attention, never below rounding noise); attn-doctor calls it "
-               f"wrong above {fault.figures[0].multiple:g}× that. Measured on {escape(row.coords.describe())}:"), ""]
+    lines += [(f"Errors against float64 from the same {dtype} inputs on {escape(row.coords.describe())}; a correct "
+               f"{dtype} implementation's is Megatron-LM's local attention's (never below rounding noise), and "
+               f"above {fault.figures[0].multiple:g}× it is wrong:"), ""]
     # One screen: the per-(batch, head) column where there is more than one slice, NaN/Inf where there are any
     slices = row.case.batch * row.case.heads > 1
     nonfinite = any(f.nan or f.inf for f in fault.figures)

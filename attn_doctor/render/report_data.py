@@ -409,9 +409,10 @@ def template_environment(env: EnvReport, builds: RowBuilds | None = None) -> lis
     cudnn = f"{fact(env.te_cudnn)} loaded by TE; {fact(env.torch_cudnn)} PyTorch's"
     if builds is not None and builds.cudnn and not builds.loaded_by:
         default = (env.te_cudnn.value or "").split(" ")[0]
+        te_default = f"{fact(env.te_cudnn)} loaded by TE, " if env.te_cudnn.value else ""  # a bisect does not probe it
         cudnn = (f"{cudnn}; the failing call ran on {builds.cudnn} (read back)" if builds.cudnn == default else
-                 f"{builds.cudnn}, loaded by TE for the failing call (read back); the machine's: {fact(env.te_cudnn)} "
-                 f"loaded by TE, {fact(env.torch_cudnn)} PyTorch's")
+                 f"{builds.cudnn}, loaded by TE for the failing call (read back); the machine's: {te_default}"
+                 f"{fact(env.torch_cudnn)} PyTorch's")
         cudnn += f"; {builds.elsewhere}" if builds.elsewhere else ""
     flash = flash_text(env)
     if builds is not None and builds.flash_attn:
@@ -434,5 +435,5 @@ def template_environment(env: EnvReport, builds: RowBuilds | None = None) -> lis
 
 def te_install(env: EnvReport) -> str:
     """What attn-doctor knows of how TE was installed: the distribution that provides its core."""
-    return f"the installed distribution is {fact(env.te_core)}" if env.te_core.value else fact(env.te_core)
+    return f"{fact(env.te_core)} is installed" if env.te_core.value else fact(env.te_core)
 
