@@ -12,6 +12,7 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,7 @@ def test_the_known_faults_repros_fit_one_screen(case, layout, spec):
 def _namespace(case, layout: str, spec=CORRECT) -> dict:
     script = short_repro_text(Coords.call(case, spec, layout), None, "test")
     assert script is not None, not_covered(Coords.call(case, spec, layout))
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"short_{abs(hash(script))}.py"
-    path.write_text(script)
-    return runpy.run_path(str(path), run_name="repro")  # the run is behind __name__ == "__main__"
+    return _run_pieces(script)
 
 
 LAYOUTS = [("contiguous", "bshd"), ("transposed", "bshd"), ("head_slice", "bshd"), ("sb3hd_packed", "bshd"),
@@ -95,9 +94,15 @@ def _te_namespace(case, layout: str) -> dict:
     """A TE path's script without TE: its pieces up to the kernel, which is not called here."""
     script = short_repro_text(Coords.call(case, TE_FUSED, layout), None, "test")
     script = "\n".join(line for line in script.splitlines() if "transformer_engine" not in line)
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"short_te_{abs(hash(script))}.py"
-    path.write_text(script)
-    return runpy.run_path(str(path), run_name="repro")
+    return _run_pieces(script)
+
+
+def _run_pieces(script: str) -> dict:
+    """The script's definitions, its run (behind __name__ == "__main__") not started; the file is removed after."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "repro.py"
+        path.write_text(script)
+        return runpy.run_path(str(path), run_name="repro")
 
 
 MASKS = {
