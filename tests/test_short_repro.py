@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attn_doctor.backends import BackendSpec, select
+from attn_doctor.backends import BackendSpec
 from attn_doctor.backends.kernel import parse_kernel_spec
 from attn_doctor.bisect.short_repro import not_covered, short_repro_text
 from attn_doctor.core.case import make_case

@@ -61,13 +61,8 @@ class IssueBody:
     advice: list[tuple[str, str]]  # (label, line): a line the reporter copies, such as the bisect command
 
 
-def report_issue(data: ReportData) -> str:
-    """The issue body, or one plain paragraph when nothing failed (no issue to file)."""
-    return issue_body(data).text
-
-
 def issue_body(data: ReportData) -> IssueBody:
-    """The issue body within ISSUE_LIMIT: the fault, the short repro inline (named to attach when even it does not
+    """The issue body (one plain paragraph when nothing failed: no issue to file) within ISSUE_LIMIT: the fault, the short repro inline (named to attach when even it does not
     fit), the template's sections; lists cut to fit, what they leave out named in the attached results file."""
     fault = data.fault
     if fault is None:
