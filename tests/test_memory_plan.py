@@ -259,10 +259,11 @@ def test_on_the_cpu_a_family_that_had_its_turn_still_counts():
 
 
 class _RecordingWorker:
-    """A worker that records its jobs and answers each from `answers` (default: a skip)."""
+    """A worker that records its jobs and answers each from its family's `answers` (default: a skip); by family,
+    since the families' workers ask from threads of their own, in no set order."""
 
     jobs: list = []
-    answers: list = []
+    answers: dict = {}
     closed: list = []
 
     def __init__(self, family, device, timeout_s, environment=None):
@@ -273,7 +274,8 @@ class _RecordingWorker:
 
     def request(self, job, on_progress=None):
         type(self).jobs.append(job)
-        return type(self).answers.pop(0) if type(self).answers else {"status": "skip", "reason": "recorded"}
+        queue = type(self).answers.get(self.family)
+        return queue.pop(0) if queue else {"status": "skip", "reason": "recorded"}
 
     def close(self, graceful=True):
         type(self).closed.append(self.family)
@@ -283,7 +285,7 @@ class _RecordingWorker:
 def recorded(monkeypatch):
     from attn_doctor.execution import session as session_module
 
-    _RecordingWorker.jobs, _RecordingWorker.answers, _RecordingWorker.closed = [], [], []
+    _RecordingWorker.jobs, _RecordingWorker.answers, _RecordingWorker.closed = [], {}, []
     monkeypatch.setattr(session_module, "Worker", _RecordingWorker)
     monkeypatch.setattr(session_module.Session, "_hold_parent", lambda self, plan: None)  # no GPU here
     monkeypatch.setattr(ReferenceStore, "handle", lambda self, case, layers=None: None)  # no reference needed
@@ -311,8 +313,8 @@ def test_each_worker_is_held_to_its_share_and_alone_to_the_whole_budget(recorded
     budget = _gpu(24)
     out_of_memory = {"status": "oom", "reason": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
                      "tried": 2 * GIB, "reserved": 21 * GIB}
-    # the baseline answers first, then sdpa.math runs out of memory, beside the others and then alone
-    _RecordingWorker.answers = [{"status": "skip", "reason": "recorded"}, out_of_memory, out_of_memory]
+    # sdpa.math runs out of memory, beside the others and then alone (the baseline's worker answers a skip)
+    _RecordingWorker.answers = {"sdpa": [out_of_memory, out_of_memory]}
     with recorded.Session("cuda", budget=budget) as session:
         rows = session.run(plan_calls(case, select(["sdpa.math"]), ["contiguous"]))
         plan = session.plan
