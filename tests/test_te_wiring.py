@@ -16,6 +16,7 @@ from attn_doctor.backends import BackendSpec, select
 from attn_doctor.backends import te as te_backend
 from attn_doctor.core.case import make_case
 from attn_doctor.core.coords import Coords
+from attn_doctor.numerics import standalone
 from attn_doctor.probes import Caches, run_probe
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.judge import judge
@@ -28,8 +29,9 @@ class StandInDotProductAttention(torch.nn.Module):
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                  qkv_format="sbhd", attn_mask_type="causal", window_size=None, softmax_scale=None,
-                 attention_type="self", softmax_type="vanilla"):
+                 attention_type="self", softmax_type="vanilla", return_max_logit=False):
         super().__init__()
+        self.return_max_logit = return_max_logit
         assert attention_dropout == 0.0
         self.heads, self.fmt, self.mask_type = num_attention_heads, qkv_format, attn_mask_type
         self.d, self.dv = kv_channels if isinstance(kv_channels, tuple) else (kv_channels, kv_channels)
@@ -53,7 +55,8 @@ class StandInDotProductAttention(torch.nn.Module):
 
     def forward(self, q, k, v, attention_mask=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
                 max_seqlen_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, pad_between_seqs=None,
-                core_attention_bias_type="no_bias", core_attention_bias=None):
+                core_attention_bias_type="no_bias", core_attention_bias=None, alibi_slopes=None, num_splits=1):
+        assert isinstance(num_splits, int) and num_splits >= 1
         state = te_backend._te.state
         state.update(use_fused_attention=True, fused_attention_backend=1, use_flash_attention=False,
                      use_unfused_attention=False, backend_selection_requires_update=False,
@@ -75,6 +78,11 @@ class StandInDotProductAttention(torch.nn.Module):
                 assert cu_seqlens_q.dtype == torch.int32 and len(cu_seqlens_q) == batch + 1
                 lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
                 lengths_kv = (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).tolist()
+                if attention_mask is not None:  # TE's boolean padding mask: one for self-, a pair for cross-attention
+                    pair = attention_mask if self.attention_type == "cross" else (attention_mask, attention_mask)
+                    for side, lengths in zip(pair, (lengths_q, lengths_kv)):
+                        expected = torch.arange(side.shape[-1])[None, :] >= torch.tensor(lengths)[:, None]
+                        assert side.dtype == torch.bool and torch.equal(side.view(batch, -1), expected)
         padded = self.mask_type.startswith("padding")
         case = make_case(batch=batch, seq=qb.shape[1], seq_kv=kb.shape[1], heads=self.heads,
                          kv_heads=kb.shape[2], head_dim=self.d, mask=self.mask_type, window=self.window,
@@ -84,7 +92,12 @@ class StandInDotProductAttention(torch.nn.Module):
         if self.mask_type == "arbitrary":
             visible &= ~attention_mask  # TE: True = masked out
         bias = None
-        if core_attention_bias_type == "alibi":
+        if core_attention_bias_type == "alibi" and alibi_slopes is not None:  # [heads] or [batch, heads], fp32
+            assert alibi_slopes.dtype == torch.float32
+            slopes = alibi_slopes.double().expand(batch, self.heads)
+            bias = torch.stack([standalone.alibi_bias(slopes[b], self.mask_type, lengths_q[b], lengths_kv[b],
+                                                      qb.shape[1], kb.shape[1], "cpu") for b in range(batch)]).float()
+        elif core_attention_bias_type == "alibi":
             bias = _te_alibi(case).float()
         elif core_attention_bias_type == "post_scale_bias":
             bias = core_attention_bias.float()
@@ -95,6 +108,7 @@ class StandInDotProductAttention(torch.nn.Module):
         if bias is not None:
             scores = scores + bias
         scores = scores.masked_fill(~visible, float("-inf"))
+        max_logit = scores.amax(dim=(0, 2, 3)) if self.return_max_logit else None
         if self.softmax_offset is not None:
             sink = self.softmax_offset.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
             scores = torch.cat([scores, sink], -1)
@@ -111,7 +125,8 @@ class StandInDotProductAttention(torch.nn.Module):
             out = torch.cat(parts)
         elif self.fmt == "sbhd":
             out = out.transpose(0, 1)
-        return out.reshape(*out.shape[:-2], self.heads * self.dv)
+        out = out.reshape(*out.shape[:-2], self.heads * self.dv)
+        return (out, max_logit) if self.return_max_logit else out
 
 
 @pytest.fixture
@@ -149,6 +164,14 @@ WIRING_CASES = {
                                softmax="learnable"),
     "off-by-one": dict(batch=2, seq=24, mask="causal", softmax="off-by-one", qkv_format="bshd"),
     "MLA thd": dict(seqlens=(24, 9), seq=24, mask="padding_causal", qkv_format="thd", head_dim=32, head_dim_v=16),
+    "max logit, padding mask": dict(seqlens=(24, 9, 3), seq=24, mask="padding_causal", qkv_format="bshd",
+                                    return_max_logit=True, padding_mask=True, bias="post_scale_bias:1hss"),
+    "padding mask cross": dict(seqlens=(24, 9, 3), seqlens_kv=(5, 20, 1), seq=24, seq_kv=20, mask="padding",
+                               padding_mask=True),
+    "custom slopes per sequence, num_splits": dict(seqlens=(24, 9), seq=24, mask="padding_causal_bottom_right",
+                                                   bias="alibi", alibi_slopes="random-batch", num_splits=2),
+    "custom slopes, max logit, forward only": dict(batch=2, seq=24, mask="causal", bias="alibi",
+                                                   alibi_slopes="random", return_max_logit=True, forward_only=True),
 }
 
 
@@ -173,3 +196,20 @@ def test_te_gets_each_case_as_te_defines_it(stand_in_te, fields, layout):
     assert f"layout {case.qkv_format}" in te_row.ran
     if case.softmax == "learnable":
         assert te_row.tensors["dsink"].verdict == PASS and te_row.tensors["dsink"].rel_err < 1e-5
+    if case.return_max_logit:  # TE's max logit reached the verdict, and is what TE documents
+        assert te_row.tensors["max_logit"].verdict == PASS and te_row.tensors["max_logit"].rel_err < 1e-5
+    if case.forward_only:
+        assert set(te_row.tensors) <= {"out", "max_logit"}
+
+
+def test_mxfp8_is_a_skip_with_te_s_own_reason_where_te_has_none(stand_in_te):
+    from attn_doctor.backends import build
+
+    te_backend._te.te.is_mxfp8_available = lambda return_reason=False: (
+        (False, "MXFP8 (for all gemm layouts) is not supported on 9.0+ architectures yet.") if return_reason else False)
+    case = make_case(batch=2, seq=24, heads=4, head_dim=32, mask="causal", fp8="mxfp8")
+    spec = BackendSpec("te.fused", "te", {"path": "fused"})
+    outcome = run_probe(build(spec), Coords.call(case, spec, "contiguous"), Caches(torch.device("cpu")))
+    assert outcome.status == "skip"
+    assert outcome.reason == "TE: MXFP8 is not available here: MXFP8 (for all gemm layouts) is not supported on 9.0+ " \
+                             "architectures yet."

@@ -27,6 +27,8 @@ In a worker process (an instance per spec, built after `prepare_process()` ran f
                        and gets the lengths from the case.
   `sink_leaf()`        the tensor whose gradient is the learnable sink's (default: the semantics' sink logits,
                        which the forward must use through autograd; TE: its own `softmax_offset` parameter)
+  `max_logit()`        the last forward's largest attention score per head ([heads]) where the case asks for it
+                       (TE's return_max_logit) and the path computes one; None by default (not judged)
   `ran()`              what really ran for the last forward, read back from the library's own state
   `facts()`            the same readback as structured facts for the row's extra (TE: whether deterministic
                        mode was honoured); {} by default
@@ -201,6 +203,10 @@ class Backend(ABC):
     def sink_leaf(self, semantics: Semantics) -> torch.Tensor | None:
         """The tensor the learnable sink's gradient is taken with respect to, after a forward."""
         return semantics.sink
+
+    def max_logit(self) -> torch.Tensor | None:
+        """The last forward's max logit per head ([heads]), or None where this path returns none."""
+        return None
 
     def ran(self, out: torch.Tensor) -> str:
         return self.name

@@ -17,6 +17,9 @@ name, or through **kwargs), so kernels written for the first signature keep work
                    its gradient is judged as dsink). Required for cases with a sink.
   seqlens_q, seqlens_kv   int32 [batch], each sequence's length (padding masks; None otherwise)
   mask_type, window       TE's attn_mask_type and window_size, for information
+  return_max_logit True when the case asks for the max logit (`--max-logit`, TE's return_max_logit): the kernel
+                   then returns (out, max_logit [heads]), judged against float64 like out. A kernel without
+                   the keyword is judged on its other tensors.
 
 A kernel whose backward takes the softmax backward's D = rowsum(dO * O) from the output it returned, as
 FlashAttention's does, says so next to its definition, `FUNC.flash_style = True` at the top level of its file:
@@ -271,7 +274,15 @@ def kernel(q, k, v):
         semantics = semantics or Semantics(case)
         offered = kernel_keywords(case.plain(), semantics.allowed, semantics.bias, semantics.sink, q.dtype, q.device)
         extra = {name: value for name, value in offered.items() if name in self.keywords or "**" in self.keywords}
+        self._max_logit = None
+        if case.return_max_logit and "return_max_logit" in self.keywords:
+            out, self._max_logit = self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale,
+                                           return_max_logit=True, **extra)
+            return out
         return self.fn(q, k, v, causal=case.causal, softmax_scale=case.softmax_scale, **extra)
+
+    def max_logit(self) -> torch.Tensor | None:
+        return getattr(self, "_max_logit", None)
 
     def ran(self, out: torch.Tensor) -> str:
         return f"{self.spec.options['target']}:{self.spec.options['func']}"

@@ -16,7 +16,8 @@ Departures, each needed to cover every case attn-doctor checks:
 - rows that see no key get probability 0 everywhere (TE's convention: out 0, no gradient) instead of the
   fill's uniform row, which would make the baseline differ from exact by design on those rows;
 - FP8 (`--fp8`): the baseline is a simulation of a correct FP8 attention (`fp8_simulation`), since the
-  yardstick of an FP8 kernel is what correct FP8 arithmetic gets, never the bf16 baseline's error.
+  yardstick of an FP8 kernel is what correct FP8 arithmetic gets, never the bf16 baseline's error;
+- the max logit (`--max-logit`, TE's return_max_logit) is the largest of these scores over the visible pairs.
 
 The computation is `attn_doctor.numerics.standalone.megatron_core_attention`, which the standalone repro
 scripts hold too.
@@ -30,7 +31,7 @@ from attn_doctor.backends.base import Backend, BackendSpec, PathMemory, ShortCal
 from attn_doctor.core.case import DTYPE_BYTES, Case
 from attn_doctor.numerics.masks import Semantics, dense_allowed, dense_bias
 from attn_doctor.numerics.reference import allowed_mask
-from attn_doctor.numerics.standalone import megatron_core_attention
+from attn_doctor.numerics.standalone import fp8_mode, megatron_core_attention, megatron_max_logit
 
 # The repro script has megatron_local (the baseline every verdict needs) whatever path it reproduces.
 REPRO_SOURCE = '''
@@ -72,9 +73,14 @@ class LocalAttention(Backend):
             visible = allowed_mask(torch.arange(q.shape[0], device=q.device), torch.arange(k.shape[0], device=q.device),
                                    case.causal, case.window)
             return megatron_core_attention(q, k, v, case.softmax_scale, visible)
-        return megatron_core_attention(q, k, v, case.softmax_scale, dense_allowed(semantics, q.device),
-                                       dense_bias(semantics, torch.float32, q.device), semantics.sink,
-                                       fp8=case.fp8 != "none")
+        visible, bias = dense_allowed(semantics, q.device), dense_bias(semantics, torch.float32, q.device)
+        self._max_logit = megatron_max_logit(q, k, case.softmax_scale, visible, bias) if case.return_max_logit else None
+        return megatron_core_attention(q, k, v, case.softmax_scale, visible, bias, semantics.sink,
+                                       fp8=fp8_mode(case.plain()))
+
+    def max_logit(self) -> torch.Tensor | None:
+        """The largest score per head as this baseline computes its scores (input-dtype baddbmm, fp32 bias)."""
+        return getattr(self, "_max_logit", None)
 
     def attend_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   case: Case) -> torch.Tensor:

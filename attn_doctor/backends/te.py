@@ -84,13 +84,37 @@ def te_version() -> tuple[int, int] | None:
         return None
 
 
+# The FlashAttention packages TE's flash path can run, by major version, and the variable that turns each off
+# (NVTE_FLASH_ATTN_V2/_V3/_V4, read at every backend selection since TE 2.18; TE before that has no such choice).
+FLASH_PACKAGES = {"2": ("flash-attn",), "3": ("flash-attn-3", "flashattn-hopper"), "4": ("flash-attn-4",)}
+FIRST_TE_WITH_FLASH_CHOICE = (2, 18)
+
+
+def flash_versions_installed() -> list[str]:
+    """The FlashAttention major versions installed here (package metadata only: nothing is imported)."""
+    found = []
+    for major, packages in FLASH_PACKAGES.items():
+        for package in packages:
+            try:
+                version(package)
+            except PackageNotFoundError:
+                continue
+            found.append(major)
+            break
+    return found
+
+
 def te_paths() -> list[tuple[str, dict]]:
-    """(row name, options) of every TE kernel path the installed TE lets a user choose."""
+    """(row name, options) of every TE kernel path the installed TE lets a user choose: with several
+    FlashAttention versions installed, the flash path on each of them too ("te.flash.fa3", ...)."""
     paths = [("te.flash", {"path": "flash"}), ("te.fused", {"path": "fused"}),
              ("te.fused.det", {"path": "fused", "deterministic": True}), ("te.unfused", {"path": "unfused"})]
     installed = te_version()
     if installed is not None and installed <= LAST_TE_WITH_SUB_BACKEND_CHOICE:
         paths.insert(2, ("te.fused.max512", {"path": "fused", "sub_backend": "0"}))
+    flash = flash_versions_installed()
+    if len(flash) > 1 and installed is not None and installed >= FIRST_TE_WITH_FLASH_CHOICE:
+        paths[1:1] = [(f"te.flash.fa{major}", {"path": "flash", "flash_version": major}) for major in flash]
     return paths
 
 
@@ -225,18 +249,36 @@ def dpa_arguments(case: Case) -> dict:
 
 
 def forward_arguments(case: Case, semantics: Semantics | None, device: torch.device) -> dict:
-    """DotProductAttention.forward's keyword arguments for the case's lengths, mask and bias."""
+    """DotProductAttention.forward's keyword arguments for the case's lengths, masks, bias and num_splits."""
     if semantics is None:
         return {}
     cu_seqlens = layouts.packing(case, semantics.slots).cu_seqlens_arguments() if case.padded else {}
-    return te_call.forward_arguments(case.plain(), cu_seqlens, semantics.allowed, semantics.bias, device)
+    return te_call.forward_arguments(case.plain(), cu_seqlens, semantics.allowed, semantics.bias, device,
+                                     semantics.alibi_slopes)
 
 
-def path_environment(path: str) -> dict[str, str]:
-    """The variables that force one TE path the way TE's own tests do: only its flag on; and TE's unfused path is
-    its FP8 emulation (otherwise disabled under FP8)."""
+def path_environment(path: str, flash_version: str | None = None) -> dict[str, str]:
+    """The variables that force one TE path the way TE's own tests do: only its flag on (and of the flash path's
+    FlashAttention versions, only `flash_version`'s where one is chosen); and TE's unfused path is its FP8
+    emulation (otherwise disabled under FP8)."""
     flags = {flag: "1" if name == path else "0" for name, flag in FLAGS.items()}
+    if flash_version is not None:
+        flags.update({f"NVTE_FLASH_ATTN_V{major}": "1" if major == flash_version else "0" for major in FLASH_PACKAGES})
     return {**flags, UNFUSED_FP8_EMULATION: "1" if path == "unfused" else "0"}
+
+
+def mxfp8_unavailable(te_module) -> str | None:
+    """Why TE cannot run MXFP8 here (TE's own answer, where it has one; else the GPU's compute capability), or
+    None."""
+    check = getattr(te_module, "is_mxfp8_available", None)
+    if callable(check):
+        try:
+            available, reason = check(return_reason=True)
+        except TypeError:  # a TE whose check takes no argument
+            available, reason = check(), ""
+        return None if available else f"TE: MXFP8 is not available here: {reason or 'TE says so'}"
+    major, minor = torch.cuda.get_device_capability()
+    return None if major >= 10 else f"MXFP8 attention needs Blackwell (sm100+); this GPU is sm{major}{minor}"
 
 
 # The TE part of the standalone repro: te_call's source, then the call attn-doctor makes with it.
@@ -262,15 +304,21 @@ def kernel(q, k, v, case):
     global SINK_LEAF
     dpa._attention_backends["backend_selection_requires_update"] = True
     module = te.DotProductAttention(**module_arguments(case))
-    call = forward_arguments(case, CU_SEQLENS, EXPLICIT, BIAS, DEVICE)
+    module.train(not case["forward_only"])
+    slopes = case_alibi_slopes(case) if case["bias"] == "alibi" else None
+    call = forward_arguments(case, CU_SEQLENS, EXPLICIT, BIAS, DEVICE, slopes)
     if case["softmax"] == "learnable":
         SINK_LEAF = load_sink(module, case["sink"])
+    if case["fp8"] != "none":
+        os.environ.update(fp8_backward_environment(case))
     if case["fp8"] == "delayed":
         with fp8_autocast(te, case["fp8"]):
-            warm = module(q, k, v, **call)
+            warm, _ = split_outputs(module(q, k, v, **call))
         torch.autograd.grad(warm, (q, k, v), WARMUP_DOUT.reshape(warm.shape), allow_unused=True)
     with fp8_autocast(te, case["fp8"]):
-        out = module(q, k, v, **call)
+        out, max_logit = split_outputs(module(q, k, v, **call))
+    if max_logit is not None:
+        print("TE's max logit per head:", [round(x, 6) for x in max_logit.float().tolist()])
     state = dpa._attention_backends
     print("TE ran:", "FusedAttention sub-backend %s" % int(state["fused_attention_backend"])
           if state["use_fused_attention"] else "FlashAttention" if state["use_flash_attention"] else "Unfused",
@@ -424,6 +472,7 @@ class TEAttention(Backend):
             if why:
                 raise Unsupported(f"--cudnn not honoured by TE: {why}")
         self.path = spec.options["path"]
+        self.flash_version = spec.options.get("flash_version")
         self.sub_backend = spec.options.get("sub_backend")
         self.deterministic = bool(spec.options.get("deterministic", False))
         self._te = load_te()
@@ -432,6 +481,7 @@ class TEAttention(Backend):
         self._cp_stream: torch.cuda.Stream | None = None
         self._last = ""
         self._last_module: torch.nn.Module | None = None
+        self._max_logit: torch.Tensor | None = None
         self._determinism: dict[str, Any] = {}
 
     def _module(self, case: Case, **parallel) -> torch.nn.Module:
@@ -451,7 +501,7 @@ class TEAttention(Backend):
         return self._modules[key]
 
     def _force(self) -> None:
-        os.environ.update(path_environment(self.path))
+        os.environ.update(path_environment(self.path, self.flash_version))
         if self.sub_backend is not None:
             os.environ["NVTE_FUSED_ATTN_BACKEND"] = self.sub_backend
         else:
@@ -482,13 +532,22 @@ class TEAttention(Backend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case,
                 semantics: Semantics | None = None) -> torch.Tensor:
+        if case.fp8 == "mxfp8" and (why := mxfp8_unavailable(self._te.te)):
+            raise Unsupported(why)
         module = self._module(case)
+        module.train(not case.forward_only)  # TE selects backends for inference apart (e.g. FA3's forward-only)
         arguments = forward_arguments(case, semantics, q.device)
         if case.softmax == "learnable" and semantics is not None:
             te_call.load_sink(module, semantics.sink)
-        out = self._call(module, q, k, v, case.fp8, **arguments)
+        if case.fp8 != "none":
+            os.environ.update(te_call.fp8_backward_environment(case.plain()))
+        out, self._max_logit = te_call.split_outputs(self._call(module, q, k, v, case.fp8, **arguments))
         self._last_module = module
         return out.view(*q.shape[:-2], case.heads, case.head_dim_v)
+
+    def max_logit(self) -> torch.Tensor | None:
+        """The max logit per head TE returned with the last output (return_max_logit), or None."""
+        return self._max_logit
 
     def sink_leaf(self, semantics: Semantics) -> torch.Tensor | None:
         """TE's own learnable sink parameter of the module that ran (TE uses it, not the semantics' copy)."""

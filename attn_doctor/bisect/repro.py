@@ -100,7 +100,7 @@ def reference(q, k, v, dout):
 def megatron_local(q, k, v, sink=None):
     """The baseline: Megatron-LM's local core attention (sbhd) with the case's mask, bias and sink."""
     return megatron_core_attention(q, k, v, CASE["scale"], visible(), added_bias(torch.float32), sink,
-                                   fp8=CASE["fp8"] != "none")
+                                   fp8=fp8_mode(CASE))
 
 
 def flash_style_moves(q, k, dout, exact_out):

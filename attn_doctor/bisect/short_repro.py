@@ -156,6 +156,12 @@ def _coverage(coords: Coords) -> tuple[ShortCall | None, str | None]:
         return None, "FP8 attention (its baseline simulates FP8's rounding)"
     if case.softmax == "learnable":
         return None, "a learnable sink (its gradient is a fifth tensor)"
+    if case.return_max_logit:
+        return None, "TE's max logit (a fifth output)"
+    if case.forward_only:
+        return None, "a forward-only call"
+    if case.padding_mask or case.alibi_slopes is not None:
+        return None, "TE's boolean padding mask or custom ALiBi slopes (tensors the short call does not write)"
     call = short_call(coords.backend, case)
     if call is None:
         return None, f"{coords.backend.name} has no short call"

@@ -14,8 +14,10 @@ from typing import Any
 import click
 
 from attn_doctor.core.case import (
+    ALIBI_SLOPES,
     BIASES,
     DTYPES,
+    FP8_BACKWARDS,
     FP8_RECIPES,
     INPUTS,
     MASK_NAMES,
@@ -252,6 +254,14 @@ def choices(text: str, allowed: tuple[str, ...], name: str) -> list[str]:
     return values
 
 
+def alibi_slopes(text: str) -> str | tuple[float, ...]:
+    """--alibi-slopes: random, random-batch, or a comma list of numbers (checked against the heads by the case)."""
+    text = text.strip()
+    if text in ALIBI_SLOPES:
+        return text
+    return tuple(float_list(text, "alibi-slopes"))
+
+
 def case_options(fn: Callable) -> Callable:
     """The case flags of run and bisect."""
     return _stack(fn, [
@@ -290,6 +300,19 @@ def api_options(grid: bool) -> list[Callable]:
         click.option("--fp8", help=f"{listing}FP8 attention recipe: {', '.join(FP8_RECIPES)} [none]."),
         click.option("--mask-source", help="The explicit mask of --mask arbitrary: random:P (P masked out)."),
         click.option("--softmax-scale", help=f"{listing}TE's softmax_scale [1/sqrt(head dim)]."),
+        click.option("--alibi-slopes", help="Custom ALiBi slopes with --bias alibi: random (|N(0,1)| per head, "
+                                            "seeded), random-batch (per sequence and head), or one number per head "
+                                            "(e.g. 0.5,0.25) [TE's own]."),
+        click.option("--max-logit", is_flag=True, default=None,
+                     help="TE's return_max_logit: the max score per head is returned too, judged against float64."),
+        click.option("--num-splits", help=f"{listing}TE's num_splits (FlashAttention 3's split control) [1]."),
+        click.option("--padding-mask", is_flag=True, default=None,
+                     help="Padding masks: pass TE's boolean attention_mask alongside cu_seqlens (sbhd/bshd)."),
+        click.option("--forward-only", is_flag=True, default=None,
+                     help="Run the forward alone (the module in eval mode), judged on out (and the max logit)."),
+        click.option("--fp8-backward", help=f"{listing}The backward of FP8 attention: {', '.join(FP8_BACKWARDS)} "
+                                            "(f16: NVTE_FP8_DPA_BWD=0, an F16/BF16 backward of the FP8 forward) "
+                                            "[fp8]."),
     ] + ([] if grid else [click.option("--replay", help="A captured call to check (DIR@RANK.PID.INDEX, as "
                                                         "`attn-doctor replay` names it): its shapes and values.")])
 
@@ -298,6 +321,8 @@ def grid_options(fn: Callable) -> Callable:
     """The case flags of `sweep`: each takes a comma list; the sweep runs their cross product."""
     return _stack(fn, [
         click.option("--recipe", help="A TOML case from recipes/; its [grid] table may declare lists too."),
+        click.option("--family", help="Comma list of the recipe's grid families to run (e.g. --recipe te-tests "
+                                      "--family fa4_base,fa4_mla) [all]."),
         click.option("--batch", help="Batch sizes, e.g. 1,4."),
         click.option("--seq", help="Query lengths, e.g. 512,1024,4096."),
         click.option("--seq-kv", help="Key/value lengths (cross-attention)."),
@@ -378,9 +403,16 @@ def build_case(options: dict[str, Any]) -> Case:
 
         fields.update(case_of_reference(options["replay"]).to_dict())
     for name in ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "seed", "inputs",
-                 "qkv_format", "bias", "softmax", "fp8", "mask_source", "pad_between_seqs", "replay"):
+                 "qkv_format", "bias", "softmax", "fp8", "mask_source", "pad_between_seqs", "replay", "fp8_backward",
+                 "padding_mask", "forward_only"):
         if options.get(name) is not None:
             fields[name] = options[name]
+    if options.get("max_logit") is not None:
+        fields["return_max_logit"] = options["max_logit"]
+    if options.get("num_splits") is not None:
+        fields["num_splits"] = _one(int_list(options["num_splits"], "num-splits", SIZE), "--num-splits")
+    if options.get("alibi_slopes") is not None:
+        fields["alibi_slopes"] = alibi_slopes(options["alibi_slopes"])
     if options.get("window") is not None:
         fields["window"] = window(options["window"])
     if options.get("head_dim_v") is not None:
@@ -426,7 +458,8 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
         if options.get(name) is not None:
             grid[name] = int_list(options[name], name.replace("_", "-"), SEED if name == "seed" else SIZE)
     for name, allowed in (("dtype", DTYPES), ("mask", MASK_NAMES), ("inputs", INPUTS), ("qkv_format", QKV_FORMATS),
-                          ("bias", BIASES), ("softmax", SOFTMAX_TYPES), ("fp8", FP8_RECIPES)):
+                          ("bias", BIASES), ("softmax", SOFTMAX_TYPES), ("fp8", FP8_RECIPES),
+                          ("fp8_backward", FP8_BACKWARDS)):
         if options.get(name) is not None:
             grid[name] = choices(options[name], allowed, name.replace("_", "-"))
     if options.get("head_dim_v") is not None:
@@ -436,9 +469,15 @@ def build_grid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[
     for name in ("seqlens", "seqlens_kv"):
         if options.get(name):
             grid[name] = [tuple(int_list(text, name.replace("_", "-"))) for text in options[name]]
-    for name in ("mask_source", "pad_between_seqs"):
+    if options.get("num_splits") is not None:
+        grid["num_splits"] = int_list(options["num_splits"], "num-splits", SIZE)
+    for name in ("mask_source", "pad_between_seqs", "padding_mask", "forward_only"):
         if options.get(name) is not None:
             base[name] = options[name]
+    if options.get("max_logit") is not None:
+        base["return_max_logit"] = options["max_logit"]
+    if options.get("alibi_slopes") is not None:
+        base["alibi_slopes"] = alibi_slopes(options["alibi_slopes"])
     if options.get("windows"):
         grid["window"] = [window(w) for w in options["windows"]]
     if options.get("layers") is not None:
@@ -462,11 +501,15 @@ def build_cases(options: dict[str, Any]) -> tuple[list[Case], list[str], list[in
 
     base, grid, depths, degrees = build_grid(options)
     recipe = load_recipe(options["recipe"]) if options.get("recipe") else None
+    families = [name.strip() for name in options["family"].split(",")] if options.get("family") else None
+    if families is not None and (recipe is None or not recipe.family_names()):
+        raise BadInput("--family picks grids of a recipe that names families ([[grids]] family = ...): add --recipe "
+                       "te-tests, or drop --family")
     if recipe is None or not recipe.grids:
         cases, dropped = expand_grids(base, [grid], drop_invalid=recipe is not None and recipe.drop_invalid)
         return [check_seed(c) for c in cases], dropped, depths, degrees, list(recipe.layouts) if recipe else []
     _, flags, _, _ = build_grid({**options, "recipe": None})
-    grids = [{**recipe.grid, **sub, **flags} for sub in recipe.grids]
+    grids = [{**recipe.grid, **sub, **flags} for sub in recipe.grids_of(families)]
     cases, dropped = expand_grids(base, grids, drop_invalid=recipe.drop_invalid)
     return [check_seed(c) for c in cases], dropped, depths, degrees, list(recipe.layouts)
 

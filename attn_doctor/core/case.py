@@ -33,9 +33,16 @@ CALL_FORMATS = QKV_FORMATS + ("bhsd",)
 BIAS_SHAPES = ("1hss", "11ss", "b1ss", "bhss", "111s")
 BIASES = ("no_bias", "alibi") + tuple(f"post_scale_bias:{shape}" for shape in BIAS_SHAPES)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-FP8_RECIPES = ("none", "delayed", "current")
-# TE's FP8 attention recipes: the two attn-doctor runs (FP8_RECIPES but "none") and two it does not.
-TE_FP8_RECIPES = FP8_RECIPES[1:] + ("mxfp8", "blockwise")
+# TE's FP8 attention recipes attn-doctor runs: delayed and current (per-tensor) scaling, and MXFP8 (blocks of 32
+# values along the head dim with a power-of-two scale each; Blackwell only, a SKIP with its reason elsewhere).
+FP8_RECIPES = ("none", "delayed", "current", "mxfp8")
+# TE's FP8 attention recipes: those attn-doctor runs (FP8_RECIPES but "none") and one it does not.
+TE_FP8_RECIPES = FP8_RECIPES[1:] + ("blockwise",)
+# The backward of FP8 attention: in FP8 (TE's default), or in F16/BF16 from the FP8 forward (NVTE_FP8_DPA_BWD=0).
+FP8_BACKWARDS = ("fp8", "f16")
+# Custom ALiBi slopes (TE's forward `alibi_slopes`): seeded per head ([heads]) or per sequence and head
+# ([batch, heads]), as TE's custom-slopes tests draw them; or the user's own, one per head.
+ALIBI_SLOPES = ("random", "random-batch")
 # The explicit mask of mask "arbitrary": "random:P" masks each (query, key) pair out with probability P.
 DEFAULT_MASKED_FRACTION = 0.25
 # Case fields added with TE's whole API, and their defaults: a field at its default is left out of a case's
@@ -43,7 +50,8 @@ DEFAULT_MASKED_FRACTION = 0.25
 API_DEFAULTS: dict[str, Any] = {"qkv_format": "sbhd", "seqlens": None, "seqlens_kv": None,
                                 "pad_between_seqs": False, "head_dim_v": None, "bias": "no_bias",
                                 "softmax": "vanilla", "fp8": "none", "mask_source": None, "scale": None,
-                                "replay": None}
+                                "replay": None, "alibi_slopes": None, "return_max_logit": False, "num_splits": 1,
+                                "padding_mask": False, "forward_only": False, "fp8_backward": "fp8"}
 # The distributions of q, k, v (`attn_doctor.numerics.inputs` says what each is and why), plainest first.
 INPUTS = ("normal", "uniform", "outliers", "large-logits", "structured", "deep-layer")
 
@@ -83,14 +91,26 @@ class Case:
     # recorded) replace the seeded ones, and the `captured` layout rebuilds its exact views; both come from the
     # case's source (`attn_doctor.numerics.source`), so a case that names a call never reads its capture itself.
     replay: str | None = None
+    # bias "alibi" with custom slopes (one of ALIBI_SLOPES, or one float per head); None: TE's own slopes.
+    alibi_slopes: str | tuple[float, ...] | None = None
+    # TE's return_max_logit: the forward also returns each head's largest attention score, judged like any output.
+    return_max_logit: bool = False
+    num_splits: int = 1  # TE's forward num_splits (FlashAttention 3's split control; other paths refuse it)
+    # Padding masks: also pass TE's boolean attention_mask (True = padding) alongside cu_seqlens, as TE's tests do.
+    padding_mask: bool = False
+    # The forward alone (TE runs some of its tests so: biases without a backward), judged on out alone.
+    forward_only: bool = False
+    fp8_backward: str = "fp8"  # one of FP8_BACKWARDS: "f16" runs the backward of FP8 attention in F16/BF16
 
     def __post_init__(self) -> None:
         # One field each: left out, kv heads, the key length and v's head dim are the query side's.
         for name, same_as in (("kv_heads", "heads"), ("seq_kv", "seq"), ("head_dim_v", "head_dim")):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(self, same_as))
-        if self.window is not None and not isinstance(self.window, tuple):
-            object.__setattr__(self, "window", tuple(self.window))
+        for name in ("window", "alibi_slopes"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (tuple, str)):
+                object.__setattr__(self, name, tuple(value))
 
     @property
     def mla(self) -> bool:
@@ -222,6 +242,20 @@ class Case:
             parts.append((f"scale {self.scale:.6g}", f"--softmax-scale {self.scale!r}"))
         if self.replay is not None:
             parts.append((f"call {self.replay.rpartition('@')[2]}", f"--replay {shlex.quote(self.replay)}"))
+        if self.alibi_slopes is not None:
+            slopes = (self.alibi_slopes if isinstance(self.alibi_slopes, str)
+                      else ",".join(f"{s:g}" for s in self.alibi_slopes))
+            parts.append((f"slopes:{slopes}", f"--alibi-slopes {slopes}"))
+        if self.return_max_logit:
+            parts.append(("max-logit", "--max-logit"))
+        if self.num_splits != 1:
+            parts.append((f"splits {self.num_splits}", f"--num-splits {self.num_splits}"))
+        if self.padding_mask:
+            parts.append(("bool-mask", "--padding-mask"))
+        if self.fp8_backward != "fp8":
+            parts.append((f"bwd:{self.fp8_backward}", f"--fp8-backward {self.fp8_backward}"))
+        if self.forward_only:
+            parts.append(("fwd-only", "--forward-only"))
         return parts
 
     def describe_api(self) -> list[str]:
@@ -345,6 +379,44 @@ def make_case(**fields: Any) -> Case:
     _check_mask_source(case)
     if case.fp8 != "none" and case.dtype == "fp32":
         raise BadInput("FP8 attention takes bf16 or fp16 inputs (TE quantises them); use --dtype bf16 with --fp8")
+    return _check_call_options(case)
+
+
+def _check_call_options(case: Case) -> Case:
+    """The options of TE's call beyond the attention problem itself: custom ALiBi slopes, the max logit, num_splits,
+    the boolean padding mask, the FP8 backward and forward-only."""
+    slopes = case.alibi_slopes
+    if slopes is not None:
+        if case.bias != "alibi":
+            raise BadInput("--alibi-slopes gives ALiBi's slopes: add --bias alibi")
+        if isinstance(slopes, str):
+            if slopes not in ALIBI_SLOPES:
+                raise BadInput(f"--alibi-slopes {slopes!r}: expected {' or '.join(ALIBI_SLOPES)}, or one number per "
+                               f"head (e.g. 0.5,0.25)")
+        else:
+            if any(isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) for s in slopes):
+                raise BadInput(f"--alibi-slopes must be numbers, one per head, got {slopes!r}")
+            if len(slopes) != case.heads:
+                raise BadInput(f"--alibi-slopes gives {len(slopes)} slopes for {case.heads} heads; give one per head "
+                               "(or random)")
+            case = dataclasses.replace(case, alibi_slopes=tuple(float(s) for s in slopes))
+    for name in ("return_max_logit", "padding_mask", "forward_only"):
+        if not isinstance(getattr(case, name), bool):
+            raise BadInput(f"{name} must be true or false, got {getattr(case, name)!r}")
+    if isinstance(case.num_splits, bool) or not isinstance(case.num_splits, int) or case.num_splits < 1:
+        raise BadInput(f"--num-splits must be a whole number >= 1, got {case.num_splits!r}")
+    if case.padding_mask and not case.padded:
+        raise BadInput("--padding-mask passes TE's boolean padding mask: it needs a padding mask type (e.g. --mask "
+                       "padding_causal) and --seqlens")
+    if case.padding_mask and case.qkv_format == "thd":
+        raise BadInput("--padding-mask is TE's boolean mask of padded sbhd/bshd batches; thd has no padding to mask: "
+                       "use --qkv-format bshd")
+    if case.fp8_backward not in FP8_BACKWARDS:
+        raise BadInput(f"unknown fp8-backward {case.fp8_backward!r}; choose one of {', '.join(FP8_BACKWARDS)}")
+    if case.fp8_backward != "fp8" and case.fp8 == "none":
+        raise BadInput("--fp8-backward chooses the backward of FP8 attention: add --fp8 delayed (or current)")
+    if case.fp8_backward != "fp8" and case.forward_only:
+        raise BadInput("--fp8-backward chooses a backward, and --forward-only runs none: drop one of them")
     return case
 
 
@@ -415,7 +487,8 @@ def _check_mask_source(case: Case) -> None:
 
 GRID_FIELDS = ("batch", "seq", "seq_kv", "heads", "kv_heads", "head_dim", "dtype", "mask", "window", "seed",
                "inputs", "qkv_format", "seqlens", "seqlens_kv", "pad_between_seqs", "head_dim_v", "bias", "softmax",
-               "fp8", "mask_source", "scale")
+               "fp8", "mask_source", "scale", "alibi_slopes", "return_max_logit", "num_splits", "padding_mask",
+               "forward_only", "fp8_backward")
 
 
 def expand_grid(base: dict[str, Any], grid: dict[str, list[Any]]) -> list[Case]:

@@ -11,6 +11,7 @@ missing table or key is refused with the file and the key named, never silently 
     [[grids]]                  # optional, for sweep: more grids, each over [case] and [grid]; their cases
     mask = ["padding_causal"]  #   are joined (a feature space too sparse for one cross product)
     seqlens = [[512, 387, 257, 1]]
+    family = "mask"            #   optional: the grid's family, which `sweep --family` picks and tables count by
     drop_invalid = true        # optional: leave out the combinations TE's API cannot take (counted)
     layouts = ["contiguous"]   # optional: the sweep's layouts when --layout is not given
 
@@ -53,6 +54,21 @@ class Recipe:
     grids: list[dict[str, list[Any]]] = field(default_factory=list)  # more grids, each over case and grid
     drop_invalid: bool = False  # leave out the grids' combinations that are not valid cases
     layouts: list[str] = field(default_factory=list)  # the sweep's layouts when none are given
+    families: list[str] = field(default_factory=list)  # each grid's family ("" where it names none)
+
+    def family_names(self) -> list[str]:
+        """The families the grids name, in order of first appearance."""
+        return [name for name in dict.fromkeys(self.families) if name]
+
+    def grids_of(self, families: list[str] | None) -> list[dict[str, list[Any]]]:
+        """The grids of `families` (None: every grid); a family no grid names is bad input."""
+        if families is None:
+            return list(self.grids)
+        unknown = [name for name in families if name not in self.families]
+        if unknown:
+            raise BadInput(f"recipe {self.path} has no family {', '.join(unknown)}; its families: "
+                           f"{', '.join(self.family_names()) or '(none)'}")
+        return [grid for grid, family in zip(self.grids, self.families) if family in families]
 
 
 def find_recipe(name_or_path: str) -> Path:
@@ -100,7 +116,9 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise BadInput(f"recipe {path}: unknown case field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     case = _nones(case, path, "case", single=True)
     grid = _checked_grid(grid, path, "grid")
-    grids = [_checked_grid(g, path, f"grids[{i}]") for i, g in enumerate(grids)]
+    families = [_family(g, path, f"grids[{i}]") for i, g in enumerate(grids)]
+    grids = [_checked_grid({k: v for k, v in g.items() if k != "family"}, path, f"grids[{i}]")
+             for i, g in enumerate(grids)]
     drop_invalid = data.get("drop_invalid", False)
     layouts = data.get("layouts", [])
     if not isinstance(drop_invalid, bool):
@@ -111,7 +129,14 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise BadInput(f"recipe {path}: layouts must be a list of {', '.join(LAYOUTS)} (or TE's names)")
     make_case(**case)  # validate now, so a broken recipe fails before any work starts
     return Recipe(path.stem, path, str(data.get("description", "")), case, grid, grids, drop_invalid,
-                  canonical_layouts(layouts))
+                  canonical_layouts(layouts), families)
+
+
+def _family(grid: dict, path: Path, where: str) -> str:
+    family = grid.get("family", "")
+    if not isinstance(family, str):
+        raise BadInput(f"recipe {path}: {where}.family must be a name (a string), got {family!r}")
+    return family
 
 
 def _checked_grid(grid: dict, path: Path, where: str) -> dict[str, list[Any]]:

@@ -172,5 +172,27 @@ def free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
+# A folder to write each worker's cProfile into (worker-FAMILY-PID.prof): where a worker's time goes, imports
+# included, for the benchmarks (benchmarks/h100/profile_sweep.sh); unset, nothing is profiled.
+PROFILE_DIR = "ATTN_DOCTOR_PROFILE_DIR"
+
+
+def profiled_main(argv: list[str]) -> int:
+    """`main`, under cProfile when PROFILE_DIR is set (the profile written however the worker ends)."""
+    folder = os.environ.get(PROFILE_DIR)
+    if not folder:
+        return main(argv)
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        return main(argv)
+    finally:
+        profiler.disable()
+        os.makedirs(folder, exist_ok=True)
+        profiler.dump_stats(os.path.join(folder, f"worker-{argv[0]}-{os.getpid()}.prof"))
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(profiled_main(sys.argv[1:]))

@@ -36,7 +36,7 @@ from attn_doctor.core.case import Case
 from attn_doctor.numerics.masks import Semantics
 from attn_doctor.numerics.source import SEEDED, Source
 from attn_doctor.numerics.standalone import (
-    alibi_slopes,
+    case_alibi_slopes,
     draw_bias,
     draw_explicit_mask,
     draw_inputs,
@@ -74,7 +74,7 @@ def make_semantics(case: Case, device: torch.device, source: Source = SEEDED) ->
       `source`'s (a replayed call's own mask);
     - post_scale_bias: `source`'s (a replayed call's own, when its values were captured), else standard normal
       in the inputs' dtype (TE takes the bias in the inputs' dtype);
-    - alibi: TE's default slopes;
+    - alibi: TE's default slopes, or the case's custom ones (`standalone.case_alibi_slopes`);
     - off-by-one: sink logits 0; learnable: standard normal sink logits per head, float32 (TE's parameter)."""
     semantics = Semantics(case, slots=source.slots(case))
     if case.mask != "arbitrary" and case.bias == "no_bias" and case.softmax == "vanilla":
@@ -86,7 +86,7 @@ def make_semantics(case: Case, device: torch.device, source: Source = SEEDED) ->
     elif case.mask == "arbitrary":
         semantics.allowed = draw_explicit_mask(generator, plain, device)
     if case.bias == "alibi":
-        semantics.alibi_slopes = alibi_slopes(case.heads).to(device)
+        semantics.alibi_slopes = case_alibi_slopes(plain).to(device)
     elif case.bias != "no_bias":
         semantics.bias = source.bias(case, device)
         if semantics.bias is None:

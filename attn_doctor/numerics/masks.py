@@ -86,7 +86,7 @@ class Semantics:
     case: Case
     allowed: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    alibi_slopes: torch.Tensor | None = None  # float64 [heads]
+    alibi_slopes: torch.Tensor | None = None  # float64 [heads], or [batch, heads] (custom slopes per sequence)
     sink: torch.Tensor | None = None
     slots: Slots | None = None
 
@@ -109,7 +109,8 @@ class Semantics:
     def bias_of(self, b: int, len_q: int, len_kv: int, device: torch.device) -> torch.Tensor | None:
         """The float64 bias of sequence b, broadcastable to [heads, len_q, len_kv] (ALiBi materialised)."""
         if self.alibi_slopes is not None:
-            return standalone.alibi_bias(self.alibi_slopes, self.case.mask, self.case.lengths_q()[b],
+            slopes = self.alibi_slopes[b] if self.alibi_slopes.dim() == 2 else self.alibi_slopes
+            return standalone.alibi_bias(slopes, self.case.mask, self.case.lengths_q()[b],
                                          self.case.lengths_kv()[b], len_q, len_kv, device)
         if self.bias is None:
             return None
@@ -155,9 +156,15 @@ def describe(case: Case) -> list[str]:
     if case.window is not None and case.mask not in TOP_LEFT_MASKS:
         lines.append(f"window {case.window[0]},{case.window[1]} aligned to each sequence's bottom-right corner "
                      "(TE's bottom_right_diagonal for this mask type)")
-    if case.bias == "alibi":
+    if case.bias == "alibi" and case.alibi_slopes is None:
         slopes = ", ".join(f"{s:.4g}" for s in alibi_slopes(case.heads).tolist())
         lines.append(f"ALiBi bias -slope_h |i + diag - j|, TE's default slopes per head: {slopes}")
+    elif case.bias == "alibi":
+        which = {"random": "|N(0, 1)| per head, seeded", "random-batch": "|N(0, 1)| per sequence and head, seeded"}
+        slopes = (which[case.alibi_slopes] if isinstance(case.alibi_slopes, str)
+                  else ", ".join(f"{s:g}" for s in case.alibi_slopes))
+        lines.append(f"ALiBi bias -slope_h |i + diag - j| with custom slopes, given to TE as alibi_slopes (float32): "
+                     f"{slopes}")
     elif case.bias != "no_bias":
         lines.append(f"post_scale_bias of shape {case.bias.partition(':')[2]}: standard normal, no gradient judged")
     if case.softmax == "off-by-one":
@@ -169,7 +176,19 @@ def describe(case: Case) -> list[str]:
         lines.append("lengths q " + ",".join(map(str, case.lengths_q())) + (
             "; kv " + ",".join(map(str, case.lengths_kv())) if case.lengths_kv() != case.lengths_q() else "")
             + "; padding is not compared (rows flagged where a kernel writes non-zeros into it)")
+    if case.padding_mask:
+        lines.append("TE's boolean padding mask (True = padding) passed as attention_mask alongside cu_seqlens")
     if case.fp8 != "none":
-        lines.append(f"FP8 attention ({case.fp8} scaling): judged against a simulated correct FP8 computation "
-                     "(attn_doctor.numerics.fp8_simulation), not the bf16 baseline")
+        backward = (" with an F16/BF16 backward (NVTE_FP8_DPA_BWD=0)" if case.fp8_backward == "f16"
+                    else "")
+        scaling = "MXFP8 block" if case.fp8 == "mxfp8" else case.fp8
+        lines.append(f"FP8 attention ({scaling} scaling){backward}: judged against a simulated correct FP8 "
+                     "computation (attn_doctor.numerics.fp8_simulation), not the bf16 baseline")
+    if case.return_max_logit:
+        lines.append("return_max_logit: each head's largest visible score is judged against float64 as 'logit' "
+                     "(paths that return none are judged on the other tensors)")
+    if case.num_splits != 1:
+        lines.append(f"num_splits {case.num_splits}: FlashAttention 3's split control (TE's other paths refuse it)")
+    if case.forward_only:
+        lines.append("forward only: no backward runs (TE's module in eval mode); judged on out alone")
     return lines

@@ -97,11 +97,16 @@ class Reference:
     # A learnable softmax sink's gradient, per head, as [1, 1, heads, 1] (terms [1, 1, heads, 2]); else None.
     dsink: torch.Tensor | None = None
     dsink_terms: torch.Tensor | None = None
+    # TE's return_max_logit: each head's largest visible score, as [1, 1, heads, 1] (terms [1, 1, heads, 2]: the
+    # size of the products its score sums, see `max_logit_reference`); else None.
+    max_logit: torch.Tensor | None = None
+    max_logit_terms: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         found = {"out": self.out, "dq": self.dq, "dk": self.dk, "dv": self.dv}
-        if self.dsink is not None:
-            found["dsink"] = self.dsink
+        for name in ("dsink", "max_logit"):
+            if getattr(self, name) is not None:
+                found[name] = getattr(self, name)
         return found
 
     def terms(self, name: str) -> torch.Tensor | None:
@@ -110,7 +115,8 @@ class Reference:
     def shared(self) -> tuple[torch.Tensor | None, ...]:
         """Every tensor, in field order (`Reference(*shared)` rebuilds it): what workers map."""
         return (self.out, self.dq, self.dk, self.dv, self.lse,
-                self.out_terms, self.dq_terms, self.dk_terms, self.dv_terms, self.dsink, self.dsink_terms)
+                self.out_terms, self.dq_terms, self.dk_terms, self.dv_terms, self.dsink, self.dsink_terms,
+                self.max_logit, self.max_logit_terms)
 
 
 
@@ -226,10 +232,65 @@ def attention_reference(
         if semantics is not None:
             bias = None if semantics.bias is None else semantics.bias[0].to(torch.float64)
             sink = semantics.sink
-        return _attention(q, k, v, dout, vis, softmax_scale, bias=bias, sink=sink, block_bytes=block_bytes,
-                          with_terms=with_terms, sink_gradient=semantics is not None and semantics.learnable_sink,
-                          value_gradient_only=value_gradient_only)
-    return _per_sequence(q, k, v, dout, semantics, softmax_scale, block_bytes, with_terms, value_gradient_only)
+        result = _attention(q, k, v, dout, vis, softmax_scale, bias=bias, sink=sink, block_bytes=block_bytes,
+                            with_terms=with_terms, sink_gradient=semantics is not None and semantics.learnable_sink,
+                            value_gradient_only=value_gradient_only)
+    else:
+        result = _per_sequence(q, k, v, dout, semantics, softmax_scale, block_bytes, with_terms, value_gradient_only)
+    if semantics is not None and semantics.case.return_max_logit:
+        result.max_logit, result.max_logit_terms = max_logit_reference(q, k, semantics, softmax_scale)
+    return result
+
+
+def max_logit_reference(q: torch.Tensor, k: torch.Tensor, semantics: Semantics, softmax_scale: float,
+                        block_bytes: int = 1 << 27) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's largest score over every visible (query, key) pair of every sequence, in float64 (TE's
+    return_max_logit: max of mask(q k^T * scale + bias)), as [1, 1, heads, 1]; -inf for a head that sees nothing.
+
+    Its terms ([1, 1, heads, 2], squared, both columns alike): the winning score's terms, the products
+    scale * q_id * k_jd and the bias, as a root-sum-square: a correct kernel rounds the score it reports to ~u of
+    that (fp32 scores from low-precision inputs, or the inputs' own precision where it computes scores in them),
+    which does not vanish where the score itself is ~0. Query rows a block at a time: no full score matrix."""
+    batch, _, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    case, f64, device = semantics.case, torch.float64, q.device
+    best = torch.full((heads,), float("-inf"), dtype=f64, device=device)
+    best_terms = torch.zeros(heads, dtype=f64, device=device)
+    for b in range(batch):
+        len_q, len_kv = case.lengths_q()[b], case.lengths_kv()[b]
+        if len_q == 0 or len_kv == 0:
+            continue
+        keys = k[b, :len_kv].to(f64).repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [h, kv, d]
+        bias = semantics.bias_of(b, len_q, len_kv, device)
+        rows_per_block = max(1, block_bytes // (8 * heads * len_kv * 2))
+        for r0 in range(0, len_q, rows_per_block):
+            r1 = min(len_q, r0 + rows_per_block)
+            queries = q[b, r0:r1].to(f64).transpose(0, 1) * softmax_scale  # [h, rows, d]
+            scores = queries @ keys.transpose(1, 2)
+            block_bias = None if bias is None else bias if bias.shape[-2] == 1 else bias[..., r0:r1, :]
+            if block_bias is not None:
+                scores = scores + block_bias
+            visible = semantics.visibility(b).pairs(torch.arange(r0, r1, device=device),
+                                                    torch.arange(len_kv, device=device))
+            if semantics.allowed is not None:
+                allowed = semantics.allowed[b, 0, r0:r1, :len_kv]
+                visible = allowed if visible is None else visible & allowed
+            if visible is not None:
+                scores = scores.masked_fill(~visible, float("-inf"))
+            top, where = scores.flatten(1).max(dim=1)
+            better = top > best
+            if not bool(better.any()):
+                continue
+            row, col = where // len_kv, where % len_kv
+            heads_index = torch.arange(heads, device=device)
+            products = queries[heads_index, row] * keys[heads_index, col]  # [h, d]
+            size = products.square().sum(-1)
+            if block_bias is not None:
+                size = size + block_bias.expand(heads, r1 - r0, len_kv).reshape(heads, -1)[heads_index, where].square()
+            best = torch.where(better, top, best)
+            best_terms = torch.where(better, size, best_terms)
+    terms = best_terms.view(1, 1, heads, 1).expand(1, 1, heads, 2).clone()
+    return best.view(1, 1, heads, 1), terms
 
 
 def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None,

@@ -226,6 +226,24 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float64)
 
 
+# The seed offset of custom ALiBi slopes' own generator (on the CPU, so every device draws the same slopes).
+SLOPES_SEED_OFFSET = 0x5107E5
+
+
+def case_alibi_slopes(case: dict) -> torch.Tensor:
+    """The ALiBi slopes of a case with bias "alibi", float64 on the CPU: TE's defaults ([heads]); "random" |N(0, 1)|
+    per head and "random-batch" per sequence and head ([batch, heads]), as TE's custom-slopes tests draw them, in
+    float32 (what TE takes) and then widened; or the user's own."""
+    given = case.get("alibi_slopes")
+    if given is None:
+        return alibi_slopes(case["heads"])
+    if not isinstance(given, str):
+        return torch.tensor([float(s) for s in given], dtype=torch.float32).to(torch.float64)
+    generator = torch.Generator().manual_seed(case["seed"] + SLOPES_SEED_OFFSET)
+    shape = (case["heads"],) if given == "random" else (case["batch"], case["heads"])
+    return torch.randn(shape, generator=generator, dtype=torch.float32).abs().to(torch.float64)
+
+
 def alibi_bias(slopes: torch.Tensor, mask: str, len_q: int, len_kv: int, rows: int, cols: int,
                device: torch.device | str) -> torch.Tensor:
     """-slope_h |i + diag - j|, float64 [heads, rows, cols], for a sequence of len_q, len_kv; diag is
@@ -242,9 +260,10 @@ def dense_bias(case: dict, bias: torch.Tensor | None, dtype: torch.dtype, device
     materialised per sequence); None without one."""
     if case["bias"] != "alibi":
         return None if bias is None else bias.to(device=device, dtype=dtype)
-    slopes = alibi_slopes(case["heads"])
-    return torch.stack([alibi_bias(slopes, case["mask"], len_q, len_kv, case["seq"], case["seq_kv"], device)
-                        for len_q, len_kv in zip(case["lengths_q"], case["lengths_kv"])]).to(dtype)
+    slopes = case_alibi_slopes(case)
+    return torch.stack([alibi_bias(slopes[b] if slopes.dim() == 2 else slopes, case["mask"], len_q, len_kv,
+                                   case["seq"], case["seq_kv"], device)
+                        for b, (len_q, len_kv) in enumerate(zip(case["lengths_q"], case["lengths_kv"]))]).to(dtype)
 
 
 # --- the memory layouts ---------------------------------------------------------------------------------------
@@ -335,16 +354,36 @@ FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 MEGATRON_MASK_FILL = -10000.0
 
 
+MX_BLOCK = 32  # MXFP8: values per scale, along the last dim
+
+
 def fp8_round(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    """x rounded to `fmt` with a per-tensor scale (amax to the format's largest value), back in x's dtype."""
+    """x rounded to `fmt` with a per-tensor scale (amax to the format's largest value), back in x's dtype;
+    "mx-e4m3": MXFP8, blocks of MX_BLOCK values along the last dim, each with a power-of-two scale (E8M0) that
+    puts its amax's exponent at the format's largest (OCP MX: 2^(floor(log2 amax) - 8) for E4M3)."""
     if fmt is None:
         return x
+    if fmt.startswith("mx-"):
+        return _mx_round(x, fmt[3:])
     dtype = FP8_FORMATS[fmt]
     amax = x.detach().abs().amax().float()
     if not torch.isfinite(amax) or amax == 0:
         return x
     scale = torch.finfo(dtype).max / amax
     return ((x.float() * scale).to(dtype).float() / scale).to(x.dtype)
+
+
+def _mx_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    dtype = FP8_FORMATS[fmt]
+    last = x.shape[-1]
+    pad = (-last) % MX_BLOCK
+    blocks = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, MX_BLOCK))
+    amax = blocks.detach().abs().amax(-1, keepdim=True)
+    largest_exponent = math.floor(math.log2(torch.finfo(dtype).max))
+    exponent = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - largest_exponent
+    scale = torch.exp2(exponent)
+    rounded = (blocks / scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype).float() * scale
+    return rounded.flatten(-2)[..., :last].to(x.dtype)
 
 
 class Quantize(torch.autograd.Function):
@@ -364,19 +403,35 @@ def quantize(x: torch.Tensor, forward_format: str | None, backward_format: str |
     return Quantize.apply(x, forward_format, backward_format)
 
 
+# How each FP8 mode of TE's attention rounds (forward format of Q, K, V; of P and O; backward format or None):
+# per-tensor E4M3 forward and E5M2 backward (TE's HYBRID format); the F16 backward (NVTE_FP8_DPA_BWD=0) rounds
+# nothing in the backward; MXFP8 takes Q, K, V in blocks of 32 along the head dim.
+FP8_MODES = {"fp8": ("e4m3", "e4m3", "e5m2"), "f16": ("e4m3", "e4m3", None), "mxfp8": ("mx-e4m3", "e4m3", "e5m2")}
+
+
+def fp8_mode(case: dict) -> str | None:
+    """The row of FP8_MODES a case's FP8 attention rounds as, or None without FP8."""
+    if case["fp8"] == "none":
+        return None
+    return "mxfp8" if case["fp8"] == "mxfp8" else case["fp8_backward"]
+
+
 def megatron_core_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, visible: torch.Tensor | None,
-    bias: torch.Tensor | None = None, sink: torch.Tensor | None = None, fp8: bool = False,
+    bias: torch.Tensor | None = None, sink: torch.Tensor | None = None, fp8: bool | str | None = False,
 ) -> torch.Tensor:
     """Megatron's core attention on sbhd tensors (baddbmm in the input dtype, fp32 softmax after
     masked_fill(-10000), probabilities in the input dtype, bmm with v) with the boolean mask `visible` (None:
     all visible), a `bias` added to the scores and `sink` logits [heads]; rows that see no key output 0.
-    `fp8`: Q, K, V, P, O rounded to E4M3 and their gradients and dS to E5M2, as TE's FP8 attention does."""
+    `fp8` (True: "fp8", or a key of FP8_MODES): Q, K, V, P, O rounded to E4M3 and their gradients and dS to E5M2,
+    as TE's FP8 attention does; "f16": the backward unrounded; "mxfp8": Q, K, V in MXFP8 blocks."""
     seq_q, batch, heads, head_dim = q.shape
     seq_kv, _, kv_heads, _ = k.shape
     head_dim_v = v.shape[-1]
+    mode = FP8_MODES["fp8" if fp8 is True else fp8] if fp8 else None
+    fp8 = mode is not None
     if fp8:
-        q, k, v = (quantize(t, "e4m3", "e5m2") for t in (q, k, v))
+        q, k, v = (quantize(t, mode[0], mode[2]) for t in (q, k, v))
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
@@ -390,7 +445,7 @@ def megatron_core_attention(
     in_float16 = q.dtype in (torch.float16, torch.bfloat16)
     x = scores.float() if in_float16 else scores
     if fp8:
-        x = quantize(x, None, "e5m2")  # dS is quantised in the backward
+        x = quantize(x, None, mode[2])  # dS is quantised in the backward
     if bias is not None:
         x = x + bias.to(x.dtype)
     if visible is not None:
@@ -403,14 +458,36 @@ def megatron_core_attention(
     if visible is not None:
         probs = probs * visible.any(dim=-1, keepdim=True)  # rows that see no key: 0 (TE's convention)
     if fp8:
-        probs = quantize(probs, "e4m3", "e5m2")
+        probs = quantize(probs, mode[1], mode[2])
     if in_float16:
         probs = probs.to(q.dtype)
 
     v2 = v.reshape(seq_kv, batch * heads, head_dim_v)
     context = torch.bmm(probs.reshape(batch * heads, seq_q, seq_kv), v2.transpose(0, 1))
     out = context.view(batch, heads, seq_q, head_dim_v).permute(2, 0, 1, 3)
-    return quantize(out, "e4m3", "e5m2") if fp8 else out
+    return quantize(out, mode[1], mode[2]) if fp8 else out
+
+
+def megatron_max_logit(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, visible: torch.Tensor | None,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each head's largest score [heads] as Megatron's core attention computes its scores (baddbmm in the input
+    dtype, then fp32 with the bias), over the visible pairs only (TE's return_max_logit: max of the masked
+    scaled scores plus bias), on sbhd tensors; -inf for a head that sees nothing."""
+    seq_q, batch, heads, head_dim = q.shape
+    seq_kv, _, kv_heads, _ = k.shape
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+    with torch.no_grad():
+        scores = torch.baddbmm(
+            torch.empty(batch * heads, seq_q, seq_kv, dtype=q.dtype, device=q.device),
+            q.reshape(seq_q, batch * heads, head_dim).transpose(0, 1),
+            k.reshape(seq_kv, batch * heads, head_dim).transpose(0, 1).transpose(1, 2), beta=0.0, alpha=softmax_scale,
+        ).view(batch, heads, seq_q, seq_kv).float()
+        if bias is not None:
+            scores = scores + bias.float()
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        return scores.amax(dim=(0, 2, 3))
 
 
 # --- the float64 reference, with the size of the terms each entry is summed from ----------------------------
@@ -616,7 +693,12 @@ def output_rounding_moves(q: torch.Tensor, dout: torch.Tensor, exact_out: torch.
 # --- the verdict ----------------------------------------------------------------------------------------------
 
 EPS = {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23}
-MULTIPLE = {"out": 3.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dsink": 3.0}  # at most this x the yardstick
+MULTIPLE = {"out": 3.0, "dq": 3.0, "dk": 3.0, "dv": 3.0, "dsink": 3.0, "max_logit": 3.0}  # at most this x the yardstick
+
+
+def tensor_kind(name: str) -> str:
+    """The tensor a figure is judged as: "dq_first" (a depth probe's dQ at layer 1) as dq; a MULTIPLE key as itself."""
+    return name if name in MULTIPLE else name.split("_")[0]
 NOISE_EPS = {"bf16": 0.25, "fp16": 0.25, "fp32": 1.0}  # the yardstick is never below this many eps (x noise)
 BIAS_Z = 8.0  # a systematic error FAILs from this significance
 BIAS_EPS = {"bf16": 1.0, "fp16": 1.0, "fp32": 8.0}  # and from this many eps (or MULTIPLE x the baseline's)

@@ -1,5 +1,6 @@
 """A CALL probe: one backend, one case, one memory layout, measured against float64 (`--repeats N`: N
-times on the same inputs, judged on the worst repeat). The baseline's probe also measures, once per case, what a
+times on the same inputs, judged on the worst repeat). A forward-only case runs no backward and is judged on out
+(and the max logit, where the case asks TE for it and the path returns one) alone. The baseline's probe also measures, once per case, what a
 correct flash-style backward's output rounding makes on it (`attn_doctor.numerics.rounded_output`): the part of
 flash-style paths' yardstick the baseline's own error does not hold."""
 
@@ -43,9 +44,10 @@ def _warm_up(backend: Backend, qkv, case, semantics, dout: torch.Tensor) -> None
     very first). After one step on these very inputs the scales are the ones a converged training run has for
     them (and what the FP8 simulation of the baseline assumes), so the measured step is judged as a user's
     steady state, not as a first step."""
-    with kernel_code(passthrough=(Unsupported,)):
+    with kernel_code(passthrough=(Unsupported,)), torch.set_grad_enabled(not case.forward_only):
         out = backend.forward(qkv.q, qkv.k, qkv.v, case, with_sink_leaf(semantics))
-        torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v), dout.reshape(out.shape), allow_unused=True)
+        if not case.forward_only:
+            torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v), dout.reshape(out.shape), allow_unused=True)
         del out
 
 
@@ -80,28 +82,33 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
         synchronize(device)
         start = time.perf_counter()
         semantics = with_sink_leaf(inputs.semantics)
-        with kernel_code(passthrough=(Unsupported,)):
+        with kernel_code(passthrough=(Unsupported,)), torch.set_grad_enabled(not case.forward_only):
             out = backend.forward(qkv.q, qkv.k, qkv.v, case, semantics)
             ran_texts.append(backend.ran(out))
             expected = (*qkv.q.shape[:-1], case.head_dim_v)
             if tuple(out.shape) != expected:
                 raise ValueError(f"{backend.name} returned out of shape {tuple(out.shape)}, expected {expected} "
                                  f"({fmt})")
-            sink = backend.sink_leaf(semantics) if reference.dsink is not None else None
-            grads = torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v) + ((sink,) if sink is not None else ()), dout,
-                                        allow_unused=True)
+            max_logit = backend.max_logit() if reference.max_logit is not None else None
+            grads: list[torch.Tensor | None] = []
+            if not case.forward_only:
+                sink = backend.sink_leaf(semantics) if reference.dsink is not None else None
+                grads = list(torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v) + ((sink,) if sink is not None else ()),
+                                                 dout, allow_unused=True))
+                # An input the output does not depend on has a zero gradient (judged like any other).
+                grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads[:3], (qkv.q, qkv.k, qkv.v))] + (
+                    grads[3:] if sink is not None else [None])
             synchronize(device)  # a CUDA fault of the kernel surfaces here, not in the comparison
-        # An input the output does not depend on has a zero gradient (judged like any other).
-        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads[:3], (qkv.q, qkv.k, qkv.v))] + list(
-            grads[3:])
         seconds["kernel"] += time.perf_counter() - start
         start = time.perf_counter()
         got = {name: views.to_bshd(t.detach(), fmt, packed, "q" if name in ("out", "dq") else "kv")
                for name, t in zip(TENSORS, (out, *grads[:3]))}
-        if reference.dsink is not None:
-            dsink = grads[3] if sink is not None and grads[3] is not None else torch.zeros(case.heads, device=device)
+        if reference.dsink is not None and grads:
+            dsink = grads[3] if grads[3] is not None else torch.zeros(case.heads, device=device)
             got["dsink"] = dsink.detach().reshape(1, 1, case.heads, 1)
-        del out, grads
+        if max_logit is not None:
+            got["max_logit"] = max_logit.detach().reshape(1, 1, case.heads, 1)
+        del out, grads, max_logit
         measured = caches.case.measured
         metrics = {name: measured.find(name, tensor) for name, tensor in got.items()}
         for name, tensor in got.items():

@@ -7,7 +7,7 @@ import math
 from attn_doctor.results.row import Row
 from attn_doctor.verdict.rule import TensorVerdict
 
-TENSOR_TITLES = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV", "dsink": "dSink"}
+TENSOR_TITLES = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV", "dsink": "dSink", "max_logit": "logit"}  # the max logit
 
 
 def sci(value: float) -> str:

@@ -28,6 +28,7 @@ from attn_doctor.verdict.rule import (
     PASS,
     TENSORS,
     TensorVerdict,
+    tensor_kind,
 )
 
 FAILING_FIRST = {"FAIL": 0, "ERROR": 1, "INCONCLUSIVE": 2, "PASS": 3, "SKIP": 4}
@@ -248,7 +249,7 @@ def tensor_figures(row: Row) -> list[Figure]:
 
 
 def figure(name: str, t: TensorVerdict) -> Figure:
-    multiple = MULTIPLE.get(name.split("_")[0], max(MULTIPLE.values()))
+    multiple = MULTIPLE.get(tensor_kind(name), max(MULTIPLE.values()))
     measured = t.shown_err
     return Figure(
         tensor=name, measured=measured, correct=t.threshold / multiple, fail_above=t.threshold, multiple=multiple,

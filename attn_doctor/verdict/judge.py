@@ -13,7 +13,7 @@ from collections import defaultdict
 from attn_doctor.backends import BASELINE, flash_style
 from attn_doctor.core.coords import ProbeKind
 from attn_doctor.numerics.metrics import TensorMetrics
-from attn_doctor.numerics.standalone import EPS, MULTIPLE, judge_figures
+from attn_doctor.numerics.standalone import EPS, MULTIPLE, judge_figures, tensor_kind
 from attn_doctor.verdict.rule import (
     ERROR,
     FAIL,
@@ -105,7 +105,7 @@ def against_peers(group: list[RowView], base: RowView) -> None:
             worst = _median([_median([figures_of(r.metrics[name])["worst"] for r in peers[path] if name in r.metrics])
                              for path in by_path])
             second = {**figures_of(base.metrics[name]), "scaled": _median(list(by_path.values())), "worst": worst}
-            kind = name.split("_")[0]
+            kind = tensor_kind(name)
             flash = own_rounding(row, base, name)
             other = judge_figures(figures_of(row.metrics[name]), second, row.case.dtype, MULTIPLE[kind],
                                   flash=figures_of(flash) if flash is not None else None)

@@ -138,6 +138,7 @@ from attn_doctor.numerics.standalone import (
     MULTIPLE,
     NOISE_EPS,
     judge_figures,
+    tensor_kind,
 )
 
 PASS, FAIL, SKIP, ERROR, INCONCLUSIVE = "PASS", "FAIL", "SKIP", "ERROR", "INCONCLUSIVE"
@@ -146,7 +147,7 @@ PASS, FAIL, SKIP, ERROR, INCONCLUSIVE = "PASS", "FAIL", "SKIP", "ERROR", "INCONC
 TOO_BIG = "TOO-BIG"
 NOT_RUN = (SKIP, TOO_BIG)  # verdicts of probes that did not run here
 CORE_TENSORS = ("out", "dq", "dk", "dv")  # what every call is judged on
-TENSORS = CORE_TENSORS + ("dsink",)  # with the learnable softmax sink's gradient where there is one
+TENSORS = CORE_TENSORS + ("dsink", "max_logit")  # with the learnable sink's gradient and TE's max logit where asked
 BORDERLINE = 1.5
 NOISE_YARDSTICK, BASELINE_YARDSTICK, FLASH_YARDSTICK = "rounding noise", "baseline", "flash-style backward"
 
@@ -219,14 +220,14 @@ def accumulation(case: Case, name: str) -> int:
     """The longest sum a tensor is built from, in terms (what float64's own rounding grows with): the scores
     over the head dims, the softmax and the products over both lengths; the sink's gradient over every row."""
     terms = case.seq + case.seq_kv + case.head_dim + case.head_dim_v
-    return terms + case.batch * case.seq if name.split("_")[0] == "dsink" else terms
+    return terms + case.batch * case.seq if tensor_kind(name) == "dsink" else terms
 
 
 def judge_tensor(name: str, candidate: TensorMetrics, baseline: TensorMetrics, dtype: str,
                  terms: int = 0, flash_style: TensorMetrics | None = None) -> TensorVerdict:
     """`terms`: the tensor's `accumulation` (0: not known). `flash_style`: for a flash-style path's dQ and dK,
     the error its output rounding makes on these inputs (see the module docstring); None otherwise."""
-    kind = name.split("_")[0]  # "dq_first" (a depth probe's dQ at layer 1) is judged as dq
+    kind = tensor_kind(name)
     multiple = MULTIPLE[kind]
     figures, base = figures_of(candidate), figures_of(baseline)
     flash = figures_of(flash_style) if flash_style is not None else None

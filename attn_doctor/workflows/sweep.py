@@ -139,7 +139,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
 
     On Ctrl-C the finished points stay in results.jsonl (resumable), and no results.json is written."""
     from attn_doctor.execution.session import Session
-    from attn_doctor.workflows.run import make_report
+    from attn_doctor.workflows.run import make_report, profile
 
     request = plan.request
     progress = progress or ProgressSink()
@@ -158,16 +158,19 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
                  repeats=request.repeats, budget=plan.budget) as session:
         for point_rows in session.run_groups(groups, on_row=lambda row: progress.advance(1), on_group=point_done):
             rows.extend(point_rows)
-        facts = session.facts
+        facts, startup, reference_s = session.facts, session.startup_seconds, session.references.seconds
         memory = session.plan or plan.memory
+    probes_s = time.perf_counter() - start
     progress.end()
     fewer = [memory.fewer] if memory is not None and memory.fewer else []
     report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged,
                          notes=fewer)
     report.memory = memory.to_dict() if memory is not None else {}
-    # This run's wall time and pace (points already done by an earlier run are not counted).
+    # This run's wall time and pace (points already done by an earlier run are not counted), and where the time
+    # went (`workflows.run.profile`: each family's slowest worker start, the parent's references, the probes).
     wall = time.perf_counter() - start
-    report.seconds = {"wall": wall, "points": float(len(plan.todo)),
+    report.seconds = {**profile(rows[len(plan.done_rows):], startup, reference_s, probes_s, wall), "wall": wall,
+                      "points": float(len(plan.todo)),
                       "points per minute": 60 * len(plan.todo) / wall if wall > 0 else 0.0}
     if report.depth_lines:
         from attn_doctor.render.plot import plot_depth

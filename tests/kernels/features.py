@@ -101,3 +101,46 @@ def ignores_queries_and_keys(q, k, v, *, causal, softmax_scale):
     heads, kv_heads = q.shape[2], k.shape[2]
     mean = v.float().mean(dim=1, keepdim=True).repeat_interleave(heads // kv_heads, dim=2)
     return mean.expand(q.shape[0], q.shape[1], heads, v.shape[-1]).to(q.dtype)
+
+
+def _max_logit(q, k, softmax_scale, allowed, bias):
+    """Each head's largest visible score, fp32 from the inputs (what TE's fused path returns)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    qh = q.float().transpose(1, 2)
+    kh = k.float().transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    scores = qh @ kh.transpose(-1, -2) * softmax_scale
+    if bias is not None:
+        scores = scores + bias.float()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.amax(dim=(0, 2, 3))
+
+
+def with_max_logit(q, k, v, *, causal, softmax_scale, allowed=None, bias=None, return_max_logit=False):
+    """Correct, and returns the max logit when asked: must PASS."""
+    mask = allowed if allowed is not None else _causal(q, k, causal)
+    out = _attention(q, k, v, softmax_scale, mask, bias, None).to(q.dtype)
+    return (out, _max_logit(q, k, softmax_scale, mask, bias)) if return_max_logit else out
+
+
+def max_logit_unscaled(q, k, v, *, causal, softmax_scale, allowed=None, bias=None, return_max_logit=False):
+    """Correct output; the max logit of the scores before the softmax scale."""
+    mask = allowed if allowed is not None else _causal(q, k, causal)
+    out = _attention(q, k, v, softmax_scale, mask, bias, None).to(q.dtype)
+    return (out, _max_logit(q, k, 1.0, mask, bias)) if return_max_logit else out
+
+
+def one_alibi_slope(q, k, v, *, causal, softmax_scale, allowed=None, bias=None):
+    """ALiBi with the first head's slope for every head (a per-head slope vector broadcast wrong)."""
+    mask = allowed if allowed is not None else _causal(q, k, causal)
+    if bias is not None:
+        bias = bias[:, :1].expand_as(bias)
+    return _attention(q, k, v, softmax_scale, mask, bias, None).to(q.dtype)
+
+
+def wrong_in_backward(q, k, v, *, causal, softmax_scale, allowed=None, bias=None):
+    """Correct forward; the backward of attention at twice the softmax scale: only a backward can tell."""
+    mask = allowed if allowed is not None else _causal(q, k, causal)
+    right = _attention(q, k, v, softmax_scale, mask, bias, None)
+    wrong = _attention(q, k, v, 2 * softmax_scale, mask, bias, None)
+    return _value_of_first_gradient_of_second(right, wrong).to(q.dtype)

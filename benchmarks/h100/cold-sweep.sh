@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One sweep from as cold a start as this machine allows, timed from the command's start (TE's import counted):
+#   bash benchmarks/h100/cold-sweep.sh OUT LABEL TREE [sweep options...]
+# TREE is the folder whose attn_doctor/ runs (the project root, or .device-base for the commit before a change).
+# Before the sweep: the kernel's page cache is dropped where the machine lets us (said in OUT/LABEL.txt), and the
+# on-disk caches of CUDA's JIT (~/.nv/ComputeCache), Triton, the CuTe DSL and torch are removed; so every
+# library is read from disk again and every runtime-compiled kernel is compiled again. With PROFILE=1 every
+# worker writes its cProfile to OUT/prof-LABEL/ (that costs time: never in a timed comparison).
+set -uo pipefail
+out=$1 label=$2 tree=$3; shift 3
+mkdir -p "$out"
+log="$out/$label.txt"
+{
+  sync
+  if (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then echo "cold: page cache dropped"
+  else echo "cold: page cache NOT dropped (not permitted here)"; fi
+  rm -rf ~/.nv/ComputeCache ~/.triton ~/.cache/torch ~/.cache/cutlass* ~/.cache/flash_attn* /tmp/cutlass* 2>/dev/null
+  echo "cold: ~/.nv/ComputeCache, ~/.triton, ~/.cache/{torch,cutlass*,flash_attn*} removed"
+} > "$log"
+work=$(mktemp -d)
+profile=()
+[ "${PROFILE:-0}" = 1 ] && profile=(env "ATTN_DOCTOR_PROFILE_DIR=$out/prof-$label")
+start=$(date +%s.%N)
+(cd "$work" && PYTHONPATH="$tree" COLUMNS=100 "${profile[@]}" python3 -m attn_doctor sweep --device "${DEVICE:-cuda}" \
+    --out "$work/sweep" "$@" >> "$log" 2>&1)
+rc=$?
+end=$(date +%s.%N)
+cases=$(python3 -c "import json; print(int(json.load(open('$work/sweep/results.json'))['seconds']['points']))" 2>/dev/null || echo 0)
+python3 - "$label" "$rc" "$start" "$end" "$cases" <<'PY' | tee -a "$out/times.txt"
+import sys
+label, rc, start, end, cases = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+wall = end - start
+print(f"{label}: exit {rc}, {cases} cases, wall {wall:.1f} s from the command's start = "
+      f"{60 * cases / wall if wall else 0:.1f} cases a minute")
+PY
+cp "$work/sweep/results.json" "$out/$label-results.json" 2>/dev/null
+gzip -c "$work/sweep/results.jsonl" > "$out/$label-results.jsonl.gz" 2>/dev/null
+ls -la ~/.cache ~/.nv 2>/dev/null | head -20 >> "$log"
+rm -rf "$work"

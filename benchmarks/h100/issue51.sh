@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 51's device runs, one phase per call (the machine forgets everything when idle 30 s: make the calls back
+# to back). From the project root on the GPU machine, after benchmarks/h100/stage-lease.sh's staging calls:
+#   bash benchmarks/h100/issue51.sh PHASE DEST     (DEST: $OUT; gets PHASE.tgz)
+# cold-new   env, then te-coverage from a cold start on this tree (the first sweep this machine runs)
+# speed      te-coverage cold: the commit before (.device-base, carried) and this tree, then this tree profiled
+# tests      te-tests cold on this tree, every path but te.flash (FlashAttention 4 compiles per shape)
+# fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
+set -uo pipefail
+phase=$1 dest=$2
+root=$PWD
+out=/tmp/issue51/$phase  # everything here; DEST gets one archive of it ($OUT brings back few files)
+mkdir -p "$out" "$dest"
+cold=(bash "$root/benchmarks/h100/cold-sweep.sh" "$out")
+workers=(--workers "${WORKERS:-3}")
+case "$phase" in
+  cold-new)
+    PYTHONPATH=$root python3 -m attn_doctor env > "$out/env.txt" 2>&1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+    python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'transformer-engine', \
+'flash-attn-4', 'nvidia-cudnn-cu13')})" > "$out/versions.txt" 2>&1
+    "${cold[@]}" coverage-new-cold "$root" --recipe te-coverage "${workers[@]}" ;;
+  speed)
+    "${cold[@]}" coverage-base "$root/.device-base" --recipe te-coverage "${workers[@]}"
+    "${cold[@]}" coverage-new "$root" --recipe te-coverage "${workers[@]}"
+    PROFILE=1 "${cold[@]}" coverage-new-profiled "$root" --recipe te-coverage "${workers[@]}" ;;
+  tests)
+    "${cold[@]}" te-tests "$root" --recipe te-tests "${workers[@]}" --backend te.fused --backend te.fused.det \
+        --backend te.unfused --backend sdpa --backend local ;;
+  fa4)
+    "${cold[@]}" te-tests-fa4 "$root" --recipe te-tests --family fa4_base,fa4_mla,fa4_swa,fa4_varlen,fa4_mask \
+        "${workers[@]}" --backend te.flash --backend local ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
+cat "$out/times.txt" 2>/dev/null
+tar czf "$dest/$phase.tgz" -C "$out" .

@@ -1,0 +1,232 @@
+"""TE's call options beyond the attention problem (issue 51): custom ALiBi slopes, the max logit, num_splits, the
+boolean padding mask, forward-only runs and the FP8 modes. Each is checked as a case (refusals and round trips), as
+the arguments TE gets (`te_call`), and judged on the CPU with a --kernel standing in for TE: a correct kernel
+PASSes, a kernel with the fault the option exposes FAILs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_doctor.backends import te_call
+from attn_doctor.core.case import Case, make_case
+from attn_doctor.core.errors import BadInput
+from attn_doctor.numerics import standalone
+from attn_doctor.numerics.inputs import make_inputs
+from attn_doctor.numerics.reference import attention_reference, max_logit_reference
+from tests.cli_checks import one_line_error
+
+KERNELS = Path(__file__).resolve().parent / "kernels" / "features.py"
+SMALL = ["--batch", "2", "--seq", "64", "--heads", "4", "--head-dim", "32", "--layout", "contiguous",
+         "--backend", "local", "--backend", "sdpa.math"]
+
+
+def kernel(name: str) -> list[str]:
+    return ["--kernel", f"{KERNELS}:{name}"]
+
+
+def rows_of(tmp_path: Path) -> dict[str, dict]:
+    document = json.loads((tmp_path / "r.json").read_text())
+    return {row["backend"]: row for row in document["results"]}
+
+
+# --- the case ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"alibi_slopes": "random"}, "add --bias alibi"),
+    ({"bias": "alibi", "alibi_slopes": (0.5, 0.25)}, "2 slopes for 16 heads"),
+    ({"bias": "alibi", "alibi_slopes": "uniform"}, "expected random or random-batch"),
+    ({"padding_mask": True}, "needs a padding mask type"),
+    ({"padding_mask": True, "mask": "padding", "seqlens": (5, 3), "qkv_format": "thd"}, "use --qkv-format bshd"),
+    ({"fp8_backward": "f16"}, "add --fp8 delayed"),
+    ({"fp8_backward": "fp16", "fp8": "delayed"}, "unknown fp8-backward"),
+    ({"num_splits": 0}, "--num-splits must be"),
+    ({"fp8": "delayed", "fp8_backward": "f16", "forward_only": True}, "drop one of them"),
+])
+def test_call_options_refuse_what_te_cannot_take(fields, words):
+    with pytest.raises(BadInput, match=words):
+        make_case(**fields)
+
+
+def test_call_options_round_trip_and_rebuild_from_flags():
+    case = make_case(batch=2, seq=64, heads=4, bias="alibi", alibi_slopes=(0.5, 0.25, 0.125, 1.0),
+                     return_max_logit=True, num_splits=2, mask="padding_causal", seqlens=(64, 40), padding_mask=True,
+                     forward_only=True)
+    assert Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
+    flags = case.cli_flags()
+    for flag in ("--alibi-slopes 0.5,0.25,0.125,1", "--max-logit", "--num-splits 2", "--padding-mask",
+                 "--forward-only"):
+        assert flag in flags
+    assert "max-logit" in case.short() and "fwd-only" in case.short()
+    plain = make_case()  # options at their defaults leave the dict, short form and flags as they were
+    assert "alibi_slopes" not in plain.to_dict() and "--max-logit" not in plain.cli_flags()
+
+
+# --- what TE is given ---------------------------------------------------------------------------------------------
+
+def test_te_gets_the_max_logit_flag_num_splits_slopes_and_the_padding_mask():
+    case = make_case(batch=2, seq=8, seq_kv=6, heads=2, head_dim=8, mask="padding", seqlens=(8, 5),
+                     seqlens_kv=(6, 2), bias="alibi", alibi_slopes="random-batch", return_max_logit=True,
+                     num_splits=3, padding_mask=True).plain()
+    assert te_call.module_arguments(case)["return_max_logit"] is True
+    slopes = standalone.case_alibi_slopes(case)
+    arguments = te_call.forward_arguments(case, {"cu_seqlens_q": [0, 8, 13], "cu_seqlens_kv": [0, 6, 8]}, None,
+                                          None, "cpu", slopes)
+    assert arguments["num_splits"] == 3
+    assert arguments["alibi_slopes"].dtype == torch.float32 and arguments["alibi_slopes"].shape == (2, 2)
+    q_mask, kv_mask = arguments["attention_mask"]  # cross-attention: one per side, True = padding
+    assert q_mask.shape == (2, 1, 1, 8) and kv_mask.shape == (2, 1, 1, 6)
+    assert q_mask[1, 0, 0].tolist() == [False] * 5 + [True] * 3
+    assert kv_mask[1, 0, 0].tolist() == [False] * 2 + [True] * 4
+    self_case = make_case(batch=2, seq=8, heads=2, head_dim=8, mask="padding", seqlens=(8, 5),
+                          padding_mask=True).plain()
+    one = te_call.forward_arguments(self_case, {"cu_seqlens_q": [0, 8, 13]}, None, None, "cpu")["attention_mask"]
+    assert isinstance(one, torch.Tensor) and one.shape == (2, 1, 1, 8)  # self-attention: one tensor
+    assert "num_splits" not in te_call.forward_arguments(make_case().plain(), {}, None, None, "cpu")
+
+
+def test_te_is_told_which_fp8_backward_and_returns_a_max_logit_pair():
+    assert te_call.fp8_backward_environment(make_case(fp8="delayed", fp8_backward="f16").plain()) == {
+        "NVTE_FP8_DPA_BWD": "0"}
+    assert te_call.fp8_backward_environment(make_case(fp8="delayed").plain()) == {"NVTE_FP8_DPA_BWD": "1"}
+    out, logit = torch.zeros(2), torch.ones(3)
+    assert te_call.split_outputs((out, logit)) == (out, logit)
+    assert te_call.split_outputs(out) == (out, None)
+
+
+# --- the float64 side ---------------------------------------------------------------------------------------------
+
+def test_custom_slopes_are_the_seeded_draw_every_device_gets_and_differ_from_te_defaults():
+    case = make_case(heads=4, bias="alibi", alibi_slopes="random").plain()
+    slopes = standalone.case_alibi_slopes(case)
+    assert torch.equal(slopes, standalone.case_alibi_slopes(case)) and bool((slopes > 0).all())
+    assert not torch.allclose(slopes, standalone.alibi_slopes(4))
+    assert standalone.case_alibi_slopes(make_case(heads=4, bias="alibi").plain()).equal(standalone.alibi_slopes(4))
+    per_sequence = standalone.case_alibi_slopes(make_case(batch=3, heads=4, bias="alibi",
+                                                          alibi_slopes="random-batch").plain())
+    assert per_sequence.shape == (3, 4)
+
+
+def test_the_tiled_reference_with_custom_slopes_equals_the_plain_formula():
+    case = make_case(batch=2, seq=24, heads=4, head_dim=8, dtype="fp32", bias="alibi", alibi_slopes="random-batch",
+                     mask="padding_causal", seqlens=(24, 17))
+    inputs = make_inputs(case, torch.device("cpu"))
+    tiled = attention_reference(inputs.q, inputs.k, inputs.v, inputs.dout, softmax_scale=case.softmax_scale,
+                                semantics=inputs.semantics)
+    plain = case.plain()
+    bias = standalone.dense_bias(plain, None, torch.float64, "cpu")
+    dense = standalone.dense_reference(inputs.q, inputs.k, inputs.v, inputs.dout, case.softmax_scale,
+                                       standalone.dense_allowed(plain, None, "cpu"), bias, None)
+    valid = torch.arange(24)[None, :] < torch.tensor([24, 17])[:, None]
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.allclose(getattr(tiled, name)[valid], dense[name][valid], rtol=1e-10, atol=1e-12), name
+
+
+def test_the_max_logit_reference_is_the_largest_visible_score_with_bias():
+    case = make_case(batch=2, seq=20, seq_kv=12, heads=4, kv_heads=2, head_dim=8, dtype="fp32",
+                     mask="padding_causal_bottom_right", seqlens=(20, 9), seqlens_kv=(12, 5),
+                     bias="post_scale_bias:b1ss")
+    inputs = make_inputs(case, torch.device("cpu"))
+    got, terms = max_logit_reference(inputs.q, inputs.k, inputs.semantics, case.softmax_scale, block_bytes=2048)
+    plain = case.plain()
+    scores = torch.einsum("bqhd,bkhd->bhqk", inputs.q.double(),
+                          inputs.k.double().repeat_interleave(2, dim=2)) * case.softmax_scale
+    scores = scores + standalone.dense_bias(plain, inputs.semantics.bias, torch.float64, "cpu")
+    visible = standalone.dense_allowed(plain, None, "cpu")
+    expected = scores.masked_fill(~visible, float("-inf")).amax(dim=(0, 2, 3))
+    assert torch.allclose(got.view(-1), expected, rtol=1e-12)
+    assert got.shape == (1, 1, 4, 1) and terms.shape == (1, 1, 4, 2) and bool((terms > 0).all())
+
+
+# --- judged on the CPU, both sides --------------------------------------------------------------------------------
+
+def test_custom_alibi_slopes_pass_a_correct_kernel_and_fail_one_slope_for_all_heads(run_cli, tmp_path):
+    flags = [*SMALL, "--bias", "alibi", "--alibi-slopes", "random", "--json", tmp_path / "r.json"]
+    result = run_cli(["run", *flags, *kernel("correct"), *kernel("one_alibi_slope")])
+    assert result.exit_code == 1, result.output
+    rows = rows_of(tmp_path)
+    assert rows["correct"]["verdict"] == "PASS" and rows["sdpa.math"]["verdict"] == "PASS"
+    assert rows["one_alibi_slope"]["verdict"] == "FAIL"
+
+
+def test_the_max_logit_is_judged_passing_right_and_failing_unscaled(run_cli, tmp_path):
+    flags = [*SMALL, "--max-logit", "--json", tmp_path / "r.json"]
+    result = run_cli(["run", *flags, *kernel("with_max_logit"), *kernel("max_logit_unscaled")])
+    assert result.exit_code == 1, result.output
+    rows = rows_of(tmp_path)
+    assert rows["with_max_logit"]["verdict"] == "PASS"
+    assert rows["with_max_logit"]["tensors"]["max_logit"]["verdict"] == "PASS"
+    wrong = rows["max_logit_unscaled"]
+    assert wrong["verdict"] == "FAIL" and wrong["tensors"]["max_logit"]["verdict"] == "FAIL"
+    assert wrong["tensors"]["out"]["verdict"] == "PASS"
+    assert "max_logit" not in rows["sdpa.math"]["tensors"]  # a path that returns none is judged on the rest
+    assert "max-logit" in result.output
+
+
+def test_forward_only_judges_out_alone_so_a_backward_fault_passes_there_and_fails_with_one(run_cli, tmp_path):
+    flags = [*SMALL, "--json", tmp_path / "r.json", *kernel("wrong_in_backward")]
+    result = run_cli(["run", *flags, "--forward-only"])
+    assert result.exit_code == 0, result.output
+    row = rows_of(tmp_path)["wrong_in_backward"]
+    assert row["verdict"] == "PASS" and set(row["tensors"]) == {"out"}
+    assert "forward only" in result.output
+    result = run_cli(["run", *flags])
+    assert result.exit_code == 1 and rows_of(tmp_path)["wrong_in_backward"]["verdict"] == "FAIL"
+
+
+def test_new_flags_are_bad_input_when_they_cannot_apply(run_cli):
+    line = one_line_error(run_cli(["run", *SMALL, "--alibi-slopes", "random"]))
+    assert "--bias alibi" in line
+    line = one_line_error(run_cli(["run", *SMALL, "--padding-mask"]))
+    assert "padding mask type" in line
+
+
+def test_the_sweep_grids_num_splits_and_fp8_backward(run_cli):
+    from attn_doctor.cli.options import build_grid
+
+    _, grid, _, _ = build_grid({"num_splits": "1,2", "fp8_backward": "fp8,f16", "max_logit": True})
+    assert grid["num_splits"] == [1, 2] and grid["fp8_backward"] == ["fp8", "f16"]
+
+
+# --- FP8 modes ----------------------------------------------------------------------------------------------------
+
+def test_mxfp8_rounds_blocks_of_32_with_power_of_two_scales():
+    x = torch.cat([torch.full((32,), 1000.0), torch.full((32,), 1e-3)])  # two blocks far apart in size
+    rounded = standalone.fp8_round(x, "mx-e4m3")
+    assert torch.allclose(rounded, x, rtol=2 ** -3)  # each block keeps its own range
+    per_tensor = standalone.fp8_round(x, "e4m3")
+    assert per_tensor[40] == 0  # one scale for both: the small block underflows
+
+
+def test_the_f16_backward_simulation_rounds_the_forward_alone():
+    q, k, v = (torch.randn(16, 1, 2, 8, requires_grad=True) for _ in range(3))
+    grads = {}
+    for mode in ("fp8", "f16"):
+        out = standalone.megatron_core_attention(q, k, v, 8 ** -0.5, None, fp8=mode)
+        grads[mode] = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    plain = standalone.megatron_core_attention(q, k, v, 8 ** -0.5, None)
+    f16_out = standalone.megatron_core_attention(q, k, v, 8 ** -0.5, None, fp8="f16")
+    assert not torch.equal(f16_out, plain)  # the forward is FP8 in both modes
+    assert any(not torch.equal(a, b) for a, b in zip(grads["fp8"], grads["f16"]))  # the backward differs
+
+
+# --- the flash path's FlashAttention version ----------------------------------------------------------------------
+
+def test_with_several_flash_attention_versions_each_is_a_path_of_its_own(monkeypatch):
+    from attn_doctor.backends import te as te_backend
+
+    monkeypatch.setattr(te_backend, "te_version", lambda: (2, 20))
+    monkeypatch.setattr(te_backend, "flash_versions_installed", lambda: ["3", "4"])
+    paths = dict(te_backend.te_paths())
+    assert paths["te.flash.fa3"] == {"path": "flash", "flash_version": "3"} and "te.flash" in paths
+    env = te_backend.path_environment("flash", "3")
+    assert env["NVTE_FLASH_ATTN"] == "1" and env["NVTE_FLASH_ATTN_V3"] == "1"
+    assert env["NVTE_FLASH_ATTN_V2"] == env["NVTE_FLASH_ATTN_V4"] == "0" and env["NVTE_FUSED_ATTN"] == "0"
+    monkeypatch.setattr(te_backend, "flash_versions_installed", lambda: ["4"])
+    assert not any(name.startswith("te.flash.fa") for name, _ in te_backend.te_paths())  # one version: te.flash
+    monkeypatch.setattr(te_backend, "flash_versions_installed", lambda: ["2", "3"])
+    monkeypatch.setattr(te_backend, "te_version", lambda: (2, 17))  # no NVTE_FLASH_ATTN_V* before TE 2.18
+    assert not any(name.startswith("te.flash.fa") for name, _ in te_backend.te_paths())
