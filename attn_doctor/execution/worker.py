@@ -36,6 +36,11 @@ def _protocol_stream():
 def main(argv: list[str]) -> int:
     family, device_name = argv[0], argv[1]
     out = _protocol_stream()
+    import faulthandler
+    import signal
+
+    # SIGUSR1 prints every thread's stack to this worker's stderr (where a probe that stopped advancing waits).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def reply(message: dict) -> None:
         out.write(json.dumps(message) + "\n")

@@ -18,14 +18,19 @@ log="$out/$label.txt"
   echo "cold: ~/.nv/ComputeCache, ~/.triton, ~/.cache/{torch,cutlass*,flash_attn*} removed"
 } > "$log"
 work=$(mktemp -d)
+sweep_dir="$out/$label-sweep"  # streamed here, so a run cut short still leaves its finished points
+rm -rf "$sweep_dir"
 profile=()
 [ "${PROFILE:-0}" = 1 ] && profile=(env "ATTN_DOCTOR_PROFILE_DIR=$out/prof-$label")
 start=$(date +%s.%N)
-(cd "$work" && PYTHONPATH="$tree" COLUMNS=100 "${profile[@]}" python3 -m attn_doctor sweep --device "${DEVICE:-cuda}" \
-    --out "$work/sweep" "$@" >> "$log" 2>&1)
+limit=()  # LIMIT=S: Ctrl-C (SIGINT) after S seconds; attn-doctor keeps the finished points and exits 130
+[ -n "${LIMIT:-}" ] && limit=(timeout -s INT --kill-after=10 "$LIMIT")
+(cd "$work" && PYTHONPATH="$tree" COLUMNS=100 "${profile[@]}" "${limit[@]}" python3 -m attn_doctor sweep \
+    --device "${DEVICE:-cuda}" \
+    --out "$sweep_dir" "$@" >> "$log" 2>&1)
 rc=$?
 end=$(date +%s.%N)
-cases=$(python3 -c "import json; print(int(json.load(open('$work/sweep/results.json'))['seconds']['points']))" 2>/dev/null || echo 0)
+cases=$(python3 -c "import json; print(int(json.load(open('$sweep_dir/results.json'))['seconds']['points']))" 2>/dev/null || echo 0)
 python3 - "$label" "$rc" "$start" "$end" "$cases" <<'PY' | tee -a "$out/times.txt"
 import sys
 label, rc, start, end, cases = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
@@ -33,7 +38,6 @@ wall = end - start
 print(f"{label}: exit {rc}, {cases} cases, wall {wall:.1f} s from the command's start = "
       f"{60 * cases / wall if wall else 0:.1f} cases a minute")
 PY
-cp "$work/sweep/results.json" "$out/$label-results.json" 2>/dev/null
-gzip -c "$work/sweep/results.jsonl" > "$out/$label-results.jsonl.gz" 2>/dev/null
+gzip "$sweep_dir/results.jsonl" 2>/dev/null
 ls -la ~/.cache ~/.nv 2>/dev/null | head -20 >> "$log"
 rm -rf "$work"

@@ -49,9 +49,11 @@ cat te.* > "$here/te/part0" && : > "$here/te/part1" && : > "$here/te/part2" && :
 rm -f te.*
 bash "$here/te/install-te.sh"
 rm -f "$here"/te/part?
-cat fa.* > "$here/fa/part0" && rm -f fa.*
-bash "$here/fa/install-fa4.sh"
-rm -f "$here/fa/part0"
+if ls fa.* > /dev/null 2>&1; then  # FA4's pieces were carried too (a lease may leave them out)
+    cat fa.* > "$here/fa/part0" && rm -f fa.*
+    bash "$here/fa/install-fa4.sh"
+    rm -f "$here/fa/part0"
+fi
 SH
 chmod +x "$last/install.sh"
 echo "Staged $n pieces in .device-lease. Device calls, back to back:"

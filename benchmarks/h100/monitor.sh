@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every PERIOD seconds until killed, what attn-doctor's processes are doing (state, kernel wait channel, CPU, the
+# GPU's processes and use) into DIR/monitor.log; at the seconds in DUMP_AT (e.g. "150 280"), every worker's Python
+# stacks (SIGUSR1: faulthandler) copied from its stderr into DIR/stacks-T-PID.txt: where a stalled sweep waits.
+#   bash benchmarks/h100/monitor.sh DIR [PERIOD] &
+dir=$1 period=${2:-15}
+mkdir -p "$dir"
+start=$(date +%s)
+while :; do
+  now=$(( $(date +%s) - start ))
+  {
+    echo "== $(date +%T) (+${now}s)"
+    ps -eo pid,ppid,etimes,stat,wchan:24,pcpu,rss,args --sort=pid | grep -E "attn_doctor|PID" | grep -v grep | cut -c1-200
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1
+  } >> "$dir/monitor.log"
+  for t in ${DUMP_AT:-}; do
+    if [ "$now" -ge "$t" ] && [ ! -e "$dir/.dumped-$t" ]; then
+      touch "$dir/.dumped-$t"
+      # workers older than 20 s only: a newer one may not have its SIGUSR1 handler yet (the signal would end it)
+      for pid in $(ps -eo pid,etimes,args | awk '/attn_doctor.execution.worker/ && !/awk/ && $2 > 20 {print $1}'); do
+        kill -USR1 "$pid" 2>/dev/null; sleep 1
+        tail -c 20000 "/proc/$pid/fd/2" > "$dir/stacks-$t-$pid.txt" 2>/dev/null
+      done
+    fi
+  done
+  sleep "$period"
+done
