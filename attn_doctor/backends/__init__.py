@@ -11,12 +11,14 @@ from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
 from attn_doctor.backends.sdpa import SdpaKernel
 from attn_doctor.backends.te import CUDNN_MARK, TEAttention, without_build
+from attn_doctor.backends.te_module import TEModule
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
 
 # Table order: TE paths, PyTorch SDPA kernels, the local baseline; then the user's --kernel ones.
 REGISTRY: dict[str, type[Backend]] = {cls.family: cls for cls in (
     TEAttention,
+    TEModule,
     SdpaKernel,
     LocalAttention,
     UserKernel,
@@ -141,6 +143,16 @@ def match_context(spec: BackendSpec) -> dict:
     return backend_class(spec).match_context(spec)
 
 
+def own_layout(spec: BackendSpec) -> str | None:
+    """The one layout a layer path is planned on (`Backend.own_layout`); None: the run's layouts."""
+    return backend_class(spec).own_layout(spec)
+
+
+def is_layer_path(spec: BackendSpec) -> bool:
+    """Whether the spec is a whole layer around the attention (`Backend.layer_path`), judged on its own yardsticks."""
+    return spec.family in REGISTRY and backend_class(spec).layer_path
+
+
 def flash_style(spec: BackendSpec) -> bool:
     """Whether the spec's backward takes D from the output it returned (`Backend.flash_style`)."""
     return backend_class(spec).flash_style(spec)
@@ -163,4 +175,4 @@ def prepare_process(family: str) -> dict:
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
            "repro_source", "short_call", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
-           "with_cudnn", "on_build", "without_build", "CUDNN_MARK"]
+           "with_cudnn", "on_build", "without_build", "CUDNN_MARK", "own_layout", "is_layer_path"]
