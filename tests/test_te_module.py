@@ -257,7 +257,9 @@ def test_a_wrong_bias_after_attention_is_named_so(stand_in, module, fault):
                                                               "layer_v", "layer_dx"))
 
 
-def test_the_layer_paths_are_planned_once_on_their_layout_and_refuse_what_they_do_not_model():
+def test_the_layer_paths_are_opt_in_planned_once_on_their_layout_and_refuse_what_they_do_not_model():
+    assert not any(is_layer_path(spec) for spec in select([]))  # a run that names no backend keeps its rows
+    assert [spec.name for spec in select(["te.module"])] == ["te.mha", "te.layer"]
     spec = select(["te.mha"])[0]
     assert is_layer_path(spec) and not is_layer_path(select(["local"])[0])
     case = make_case(**CASE)

@@ -53,9 +53,9 @@ def path_names() -> tuple[str, ...]:
 def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...] = (),
            cudnn: str | None = None) -> list[BackendSpec]:
     """The specs a user asked for: --backend NAME (a row name, or a family for all its rows; all built-ins
-    when neither --backend nor --kernel is given), --kernel [NAME=]TARGET:FUNC, and --cudnn B1,B2 (each path
-    whose process loads cuDNN, once per build: `with_cudnn`). Unknown names, a kernel name that is taken and
-    a cuDNN build that is not here are bad input."""
+    but the opt-in ones, TE's layers, when neither --backend nor --kernel is given), --kernel
+    [NAME=]TARGET:FUNC, and --cudnn B1,B2 (each path whose process loads cuDNN, once per build: `with_cudnn`).
+    Unknown names, a kernel name that is taken and a cuDNN build that is not here are bad input."""
     specs = _select(names, kernels)
     return with_cudnn(specs, [part.strip() for part in cudnn.split(",") if part.strip()]) if cudnn else specs
 
@@ -87,8 +87,8 @@ def _select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, 
     chosen: list[BackendSpec] = []
     known = {spec.name: spec for spec in builtin_specs()}
     if names or not kernel_specs:
-        if not names:
-            chosen = list(known.values())
+        if not names:  # every built-in path but those run only when named (`Backend.opt_in`)
+            chosen = [spec for spec in known.values() if not backend_class(spec).opt_in]
         for name in names:
             family = REGISTRY.get(name)
             if family is not None and family.paths():

@@ -125,6 +125,8 @@ class Backend(ABC):
     # A whole layer around the attention (TE's MultiheadAttention, TransformerLayer): its single call is a layer
     # probe (`attn_doctor.probes.module`) on the layout `own_layout` names, judged against its own yardsticks.
     layer_path: ClassVar[bool] = False
+    # Run only when named (--backend NAME or its family), not by a run that names no backend.
+    opt_in: ClassVar[bool] = False
     # The options a spec of this family cannot be rebuilt without (text each): a results row read back must have them.
     required_options: ClassVar[tuple[str, ...]] = ()
 

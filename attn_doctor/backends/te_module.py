@@ -90,6 +90,8 @@ def layer_unsupported(case: Case) -> str | None:
 class TEModule(Backend):
     family = "te.module"
     layer_path = True
+    # Opt-in: `attn-doctor run` without --backend keeps the rows (and layouts) it always had.
+    opt_in = True
     fixed_paths = (("te.mha", {"module": "mha"}), ("te.layer", {"module": "layer"}))
     loads_cudnn = False  # TE loads it; --cudnn builds are TE's DotProductAttention paths' (`backends.te`)
 
