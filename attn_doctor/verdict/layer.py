@@ -29,6 +29,8 @@ a fault of attention's reaches (the output and the layer's later stages) is said
 
 from __future__ import annotations
 
+import dataclasses
+
 from attn_doctor.backends import is_layer_path
 from attn_doctor.numerics.metrics import TensorMetrics
 from attn_doctor.verdict.rule import FAIL, INCONCLUSIVE, accumulation, combine, judge_tensor
@@ -87,41 +89,54 @@ def judge_layer_row(row: RowView) -> RowView:
             row.tensors[name] = judge_tensor(name, metrics, yardsticks[name], dtype, accumulation(row.case, name),
                                              flash.get(name))
         else:
-            row.tensors[name] = judge_tensor(KIND[name], metrics, yardsticks[name], dtype, terms)
+            verdict = judge_tensor(KIND[name], metrics, yardsticks[name], dtype, terms)
+            row.tensors[name] = dataclasses.replace(verdict, why=stage_yardstick_words(verdict.why, row.case.dtype))
     row.verdict = combine([t.verdict for t in row.tensors.values()])
-    row.reason = layer_reason(row, facts.get("module", ""))
+    facts["where"], row.reason = layer_reason(row, facts.get("module", ""))
     return row
 
 
-def layer_reason(row: RowView, module: str) -> str:
-    """Where the fault is, in one line (see the module docstring); "" for a PASS."""
+def stage_yardstick_words(why: str, dtype: str) -> str:
+    """A stage tensor's reason naming its yardstick: the plain same-dtype layer, not the baseline's single call."""
+    return (why.replace("the local baseline's own error on these inputs",
+                        f"the same layer's own error in {dtype} in plain torch with the local attention, on the same "
+                        "weights and input")
+            .replace("the baseline's own", "the plain layer's own"))
+
+
+def layer_reason(row: RowView, module: str) -> tuple[str, str]:
+    """(where the fault is, in a few words; the row's reason: that and each failing tensor's why), see the module
+    docstring; ("", "") for a PASS."""
     failing = [name for name, t in row.tensors.items() if t.verdict == FAIL]
     if row.verdict == INCONCLUSIVE:
         undecided = [name for name, t in row.tensors.items() if t.verdict == INCONCLUSIVE]
-        return f"{undecided[0]}: {row.tensors[undecided[0]].why}"
+        return "", f"{undecided[0]}: {row.tensors[undecided[0]].why}"
     if row.verdict != FAIL:
-        return ""
+        return "", ""
     attention = [name for name in ATTENTION if name in failing]
     stages = [(names, words) for names, words in stage_words(module) if any(n in failing for n in names)]
     reached = reached_by_attention(attention, module)
-    why = "; ".join(f"{name}: {row.tensors[name].why}" for name in attention)
     if attention:
-        text = f"fault in attention: TE's core attention in the layer fails on the q, k, v it received ({why})"
+        where = (f"fault in attention: TE's core attention in the layer fails ({', '.join(attention)}) on the q, k, v "
+                 "it received")
+        details = "; ".join(f"{name}: {row.tensors[name].why}" for name in attention)
         own = [(names, words) for names, words in stages if not all(n in reached for n in names if n in failing)]
         downstream = [n for names, _ in stages for n in names if n in failing and n in reached]
         if downstream:
-            text += f"; {', '.join(downstream)} fail too, downstream of it"
+            where += f"; {', '.join(downstream)} fail too, downstream of it"
         if own:
             names, words = own[0]
-            text += f"; and a fault outside attention, {words}: " + stage_why(row, names, failing)
-        return text
+            where += f"; and a fault outside attention, {words}"
+            details += "; " + stage_why(row, names, failing)
+        return where, f"{where} ({details})"
     names, words = stages[0]
-    text = f"fault outside attention in the layer, {words}: " + stage_why(row, names, failing)
+    where = f"fault outside attention in the layer, {words}"
     later = [n for other, _ in stages[1:] for n in other if n in failing]
     if later:
-        text += f"; {', '.join(later)} fail too (after it)"
-    return text + "; the core attention passes on the q, k, v it received"
+        where += f"; {', '.join(later)} fail too (after it)"
+    where += "; the core attention passes on the q, k, v it received"
+    return where, f"{where} ({stage_why(row, names, failing)})"
 
 
 def stage_why(row: RowView, names: tuple[str, ...], failing: list[str]) -> str:
-    return "; ".join(f"{name} {row.tensors[name].why}" for name in names if name in failing)
+    return "; ".join(f"{name}: {row.tensors[name].why}" for name in names if name in failing)
