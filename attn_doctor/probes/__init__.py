@@ -31,8 +31,9 @@ def run_probe(backend: Backend, coords: Coords, caches: Caches, progress: Progre
     more = {"repeats": repeats} if repeats != 1 else {}
     runner = RUNNERS[coords.kind]
     if backend.layer_path and coords.kind is ProbeKind.CALL:
-        if repeats != 1:
-            raise ValueError(f"repeats apply to single attention calls, not to {backend.name}'s whole layer")
+        if repeats != 1:  # refused, not ignored: a SKIP row saying so
+            return ProbeOutcome("skip", reason=f"--repeats applies to single attention calls; {backend.name} runs its "
+                                               "whole layer once: drop --repeats for it")
         runner, more = module.run, {}
     try:
         outcome = runner(backend, coords, caches, progress, **more)
