@@ -226,8 +226,8 @@ def test_a_fault_in_attention_is_named_as_attention(stand_in, module, fault):
     stand_in(**fault)
     row = judged(module)
     assert row.verdict == FAIL
-    assert row.reason.startswith("fault in attention: TE's core attention in the layer fails on the q, k, v it "
-                                 "received")
+    assert row.reason.startswith("fault in attention: TE's core attention in the layer fails (")
+    assert "on the q, k, v it received" in row.extra["layer"]["where"]
     assert any(row.tensors[name].verdict == FAIL for name in ("out", "dq", "dk", "dv"))
     for name in ("layer_q", "layer_k", "layer_v"):  # upstream of attention: untouched
         assert row.tensors[name].verdict == PASS
@@ -240,7 +240,8 @@ def test_a_wrong_rope_is_a_fault_before_attention(stand_in, module):
     row = judged(module)
     assert row.verdict == FAIL
     assert row.reason.startswith("fault outside attention in the layer, before attention: the q, k, v it received")
-    assert row.reason.endswith("the core attention passes on the q, k, v it received")
+    assert row.extra["layer"]["where"].endswith("the core attention passes on the q, k, v it received")
+    assert "the same layer's own error in bf16 in plain torch" in row.tensors["layer_q"].why
     assert all(row.tensors[name].verdict == PASS for name in ("out", "dq", "dk", "dv"))
     assert row.tensors["layer_q"].verdict == FAIL and row.tensors["layer_k"].verdict == FAIL
     assert row.tensors["layer_v"].verdict == PASS
@@ -270,3 +271,117 @@ def test_the_layer_paths_are_opt_in_planned_once_on_their_layout_and_refuse_what
     assert "padding" in layer_unsupported(make_case(**{**CASE, "mask": "padding", "seqlens": (48, 20)}))
     assert "inputs" in layer_unsupported(make_case(**{**CASE, "inputs": "outliers"}))
     assert Coords.call(make_case(**{**CASE, "seq_kv": 32}), spec, "sbh3d_packed").unsupported()
+
+
+def test_repeats_are_refused_for_a_layer_not_ignored(stand_in):
+    spec = select(["te.layer"])[0]
+    outcome = run_probe(build(spec), Coords.call(make_case(**CASE), spec, "sbh3d_packed"), Caches(torch.device("cpu")),
+                        repeats=3)
+    assert outcome.status == "skip" and "--repeats" in outcome.reason
+
+
+def test_a_flash_style_core_attention_is_judged_with_its_own_rounding(stand_in):
+    """What ran is read back: a fused (flash-style) core attention's dQ and dK get the flash-style part of the
+    yardstick, as a single call of a flash-style path does; the correct stand-in still PASSes."""
+    fake = stand_in()
+    original = StandInDPA.forward
+
+    def fused(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        self.state.update(use_unfused_attention=False, use_fused_attention=True, fused_attention_backend=1)
+        return out
+
+    StandInDPA.forward = fused
+    try:
+        row = judged("mha")
+    finally:
+        StandInDPA.forward = original
+    assert row.verdict == PASS, row.reason
+    assert "FusedAttention (sub-backend 1" in row.ran
+    assert row.extra["layer"]["flash_style"] and set(row.extra["layer"]["flash_style_part"]) == {"dq", "dk"}
+    assert row.tensors["dq"].flash_style_err is not None and row.tensors["out"].flash_style_err is None
+    assert fake.state["backend_selection_requires_update"] is True  # invalidated before the forward, as te.py does
+
+
+def test_nan_from_the_core_attention_fails_as_attention(stand_in):
+    original = StandInDPA.forward
+
+    def nan_row(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return out.index_fill(0, torch.tensor([3]), float("nan"))
+
+    StandInDPA.forward = nan_row
+    try:
+        row = judged("mha")
+    finally:
+        StandInDPA.forward = original
+    assert row.verdict == FAIL and row.tensors["out"].nan
+    assert row.reason.startswith("fault in attention") and "NaN" in row.reason
+
+
+def test_a_crash_in_the_module_is_the_kernels_and_a_blind_hook_is_attn_doctors(stand_in):
+    from attn_doctor.core.errors import InternalError, KernelError
+
+    case = make_case(**CASE)
+    spec = select(["te.mha"])[0]
+    coords = Coords.call(case, spec, "sbh3d_packed")
+    original = StandInDPA.forward
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED")
+
+    StandInDPA.forward = crash
+    try:
+        with pytest.raises(KernelError, match="CUDNN_STATUS_EXECUTION_FAILED"):
+            run_probe(build(spec), coords, Caches(torch.device("cpu")))
+    finally:
+        StandInDPA.forward = original
+    original_mha = StandInMHA.forward
+
+    def around_attention(self, x, rotary_pos_emb=None, attn_mask_type=None):  # never calls core_attention
+        return self.proj(x)
+
+    StandInMHA.forward = around_attention
+    try:
+        with pytest.raises(InternalError, match="hooks saw 0 forward"):
+            run_probe(build(spec), coords, Caches(torch.device("cpu")))
+    finally:
+        StandInMHA.forward = original_mha
+
+
+def test_a_layer_row_renders_in_the_table_the_reports_and_the_summary(stand_in, tmp_path):
+    import io
+    import subprocess
+    import sys
+
+    from rich.console import Console
+
+    from attn_doctor.render.terminal import run_view
+    from attn_doctor.results.report import dumps
+    from attn_doctor.workflows.run import make_report
+
+    stand_in(rope_base=5000.0)
+    case = make_case(**CASE)
+    specs = select(["te.mha"])
+    caches = Caches(torch.device("cpu"))
+    rows = []
+    for c in plan_calls(case, specs, ["contiguous"]):
+        outcome = run_probe(build(c.backend), c, caches)
+        rows.append(Row(coords=c, verdict="", ran=outcome.ran, metrics=outcome.metrics, extra=outcome.extra,
+                        flash_style=outcome.flash_style))
+    judge(rows)
+    report = make_report(rows, specs, "cpu", "attn-doctor run --backend te.mha", read_te=False)
+    assert "te.mha" in report.summary and report.exit_code != 0
+    print(report.summary)
+    console = Console(file=io.StringIO(), width=80)
+    for part in run_view(report, "attn-doctor run"):
+        console.print(part)
+    text = console.file.getvalue()
+    assert "te.mha" in text and "sbh3d_packed" in text and "fault outside attention" in text
+    path = tmp_path / "results.json"
+    path.write_text(dumps(report.to_dict()))
+    for fmt in ("markdown", "issue", "html", "csv", "json"):
+        done = subprocess.run([sys.executable, "-m", "attn_doctor", "report", str(path), "--format", fmt],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (fmt, done.stderr[-2000:])
+        assert "te.mha" in done.stdout, fmt
