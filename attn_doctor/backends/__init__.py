@@ -153,6 +153,11 @@ def is_layer_path(spec: BackendSpec) -> bool:
     return spec.family in REGISTRY and backend_class(spec).layer_path
 
 
+def is_te_family(family: str) -> bool:
+    """Whether a family's paths are Transformer Engine's (its DotProductAttention paths, and its layers)."""
+    return family in (TEAttention.family, TEModule.family)
+
+
 def flash_style(spec: BackendSpec) -> bool:
     """Whether the spec's backward takes D from the output it returned (`Backend.flash_style`)."""
     return backend_class(spec).flash_style(spec)
@@ -175,4 +180,5 @@ def prepare_process(family: str) -> dict:
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
            "repro_source", "short_call", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
-           "with_cudnn", "on_build", "without_build", "CUDNN_MARK", "own_layout", "is_layer_path"]
+           "with_cudnn", "on_build", "without_build", "CUDNN_MARK", "own_layout", "is_layer_path",
+           "is_te_family"]

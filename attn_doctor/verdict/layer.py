@@ -37,6 +37,7 @@ from attn_doctor.verdict.rule import FAIL, INCONCLUSIVE, accumulation, combine, 
 from attn_doctor.verdict.view import RowView
 
 ATTENTION = ("out", "dq", "dk", "dv")
+FORWARD = ("out", "layer_q", "layer_k", "layer_v", "layer_out")  # a layer row's tensors of its forward
 KIND = {"layer_q": "out", "layer_k": "out", "layer_v": "out", "layer_out": "out", "layer_dcontext": "dv",
         "layer_dx": "dv"}
 
@@ -136,6 +137,14 @@ def layer_reason(row: RowView, module: str) -> tuple[str, str]:
         where += f"; {', '.join(later)} fail too (after it)"
     where += "; the core attention passes on the q, k, v it received"
     return where, f"{where} ({stage_why(row, names, failing)})"
+
+
+def first_wrong(failing: list[str] | tuple[str, ...]) -> str:
+    """Where a layer row's fault first shows: the forward when a forward tensor fails, else the backward."""
+    forward = [name for name in failing if name in FORWARD]
+    if forward:
+        return f"forward ({', '.join(forward)} already wrong)"
+    return f"backward (the forward is right; {', '.join(failing)} wrong)"
 
 
 def stage_why(row: RowView, names: tuple[str, ...], failing: list[str]) -> str:
