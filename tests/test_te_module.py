@@ -380,8 +380,16 @@ def test_a_layer_row_renders_in_the_table_the_reports_and_the_summary(stand_in, 
     assert "te.mha" in text and "sbh3d_packed" in text and "fault outside attention" in text
     path = tmp_path / "results.json"
     path.write_text(dumps(report.to_dict()))
+    texts = {}
     for fmt in ("markdown", "issue", "html", "csv", "json"):
         done = subprocess.run([sys.executable, "-m", "attn_doctor", "report", str(path), "--format", fmt],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, (fmt, done.stderr[-2000:])
         assert "te.mha" in done.stdout, fmt
+        texts[fmt] = done.stdout
+    issue = texts["issue"]
+    assert "not a Transformer Engine path" not in issue and "(forward)" in issue
+    assert "In the layer: fault outside attention in the layer, before attention" in issue
+    # the local baseline ran on the case's seeded q, k, v, not on the layer's: never shown as right "on the same inputs"
+    assert "Paths that are right on the same inputs" not in issue
+    assert "fault outside attention in the layer, before attention" in texts["markdown"]

@@ -88,10 +88,6 @@ class CoreAttentionTap:
         self._handle.remove()
 
 
-def _bshd(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    return layer.to_bshd(t, fmt)
-
-
 def attention_in_layer(arch: layer.Architecture, case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, dout: torch.Tensor, grads: dict[str, torch.Tensor], flash_style: bool,
                        device: torch.device) -> tuple[dict[str, TensorMetrics], dict[str, TensorMetrics],
@@ -101,8 +97,8 @@ def attention_in_layer(arch: layer.Architecture, case, q: torch.Tensor, k: torch
     flash-style kernel what taking D from the exact output rounded to the dtype makes in dq and dk)."""
     fmt = arch.fmt
     heads_shape = (*out.shape[:-1], arch.heads, arch.head_dim)
-    q64, k64, v64 = (_bshd(t, fmt).to(torch.float64) for t in (q, k, v))
-    dout64 = _bshd(dout.reshape(heads_shape), fmt).to(torch.float64)
+    q64, k64, v64 = (layer.to_bshd(t, fmt).to(torch.float64) for t in (q, k, v))
+    dout64 = layer.to_bshd(dout.reshape(heads_shape), fmt).to(torch.float64)
     semantics = make_semantics(case, device)
     reference = attention_reference(q64, k64, v64, dout64, softmax_scale=arch.softmax_scale, semantics=semantics)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -112,8 +108,8 @@ def attention_in_layer(arch: layer.Architecture, case, q: torch.Tensor, k: torch
     got = {"out": out.reshape(heads_shape), "dq": grads["q"], "dk": grads["k"], "dv": grads["v"]}
     yard = {"out": local.detach(), "dq": local_grads[0], "dk": local_grads[1], "dv": local_grads[2]}
     exact = reference.tensors()
-    candidate = {name: compare(_bshd(t, fmt), exact[name], reference.terms(name)) for name, t in got.items()}
-    yardstick = {name: compare(_bshd(t, fmt), exact[name], reference.terms(name)) for name, t in yard.items()}
+    candidate = {name: compare(layer.to_bshd(t, fmt), exact[name], reference.terms(name)) for name, t in got.items()}
+    yardstick = {name: compare(layer.to_bshd(t, fmt), exact[name], reference.terms(name)) for name, t in yard.items()}
     flash: dict[str, TensorMetrics] = {}
     if flash_style:
         moved = output_rounding_gradients(q64, k64, dout64, reference.out, reference.out.to(q.dtype),
@@ -123,7 +119,7 @@ def attention_in_layer(arch: layer.Architecture, case, q: torch.Tensor, k: torch
     return candidate, yardstick, flash
 
 
-def stages(run: layer.Run, fmt: str) -> dict[str, torch.Tensor]:
+def stages(run: layer.Run) -> dict[str, torch.Tensor]:
     """A layer run's stage tensors by name (`STAGE_TENSORS`)."""
     t = run.trace
     return {"layer_q": t.q, "layer_k": t.k, "layer_v": t.v, "layer_dcontext": run.dcontext, "layer_out": t.out,
@@ -179,11 +175,11 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
                                                        flash_style, device)
         got = {"layer_q": q, "layer_k": k, "layer_v": v, "layer_dcontext": tap.grads["context"], "layer_out": out,
                "layer_dx": dx}
-        expected, same_dtype = stages(exact, arch.fmt), stages(plain, arch.fmt)
+        expected, same_dtype = stages(exact), stages(plain)
         for name in STAGE_TENSORS:
-            reference = _bshd(expected[name], arch.fmt)
-            metrics[name] = compare(_bshd(got[name].reshape(expected[name].shape), arch.fmt), reference)
-            yardstick[name] = compare(_bshd(same_dtype[name], arch.fmt), reference)
+            reference = layer.to_bshd(expected[name], arch.fmt)
+            metrics[name] = compare(layer.to_bshd(got[name].reshape(expected[name].shape), arch.fmt), reference)
+            yardstick[name] = compare(layer.to_bshd(same_dtype[name], arch.fmt), reference)
         seconds["compare"] = time.perf_counter() - start
     extra: dict[str, Any] = {"layer": {
         "module": arch.kind, "hidden": arch.hidden, "ffn": arch.ffn if arch.kind == "layer" else None,
