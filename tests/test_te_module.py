@@ -393,3 +393,44 @@ def test_a_layer_row_renders_in_the_table_the_reports_and_the_summary(stand_in, 
     # the local baseline ran on the case's seeded q, k, v, not on the layer's: never shown as right "on the same inputs"
     assert "Paths that are right on the same inputs" not in issue
     assert "fault outside attention in the layer, before attention" in texts["markdown"]
+
+
+def test_tp_shards_and_depth_stacks_of_a_layer_are_refused_as_skip(stand_in):
+    spec = select(["te.mha"])[0]
+    case = make_case(**{**CASE, "seq": 32})
+    caches = Caches(torch.device("cpu"))
+    for coords in (Coords.tp_shards(case, spec, 2, as_views=True), Coords.depth(case, spec, 2)):
+        outcome = run_probe(build(spec), coords, caches)
+        assert outcome.status == "skip" and "whole layer" in outcome.reason, coords.kind
+
+
+def _te_importable() -> bool:
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not _te_importable(), reason="TE's layers need a CUDA GPU and transformer_engine")
+@pytest.mark.parametrize("flags", [["--mask", "causal"], ["--mask", "no_mask", "--qkv-format", "bshd", "--kv-heads", "4"],
+                                   ["--mask", "causal", "--window", "64,0", "--dtype", "fp16"]],
+                         ids=["sbhd causal", "bshd GQA", "fp16 window"])
+def test_real_te_layers_pass_and_say_what_ran(tmp_path, flags):
+    """On a GPU with TE: TE's own MultiheadAttention and TransformerLayer PASS (a false FAIL here is the worst
+    bug), and each row says which core attention TE ran, read back."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, "-m", "attn_doctor", "run", "--device", "cuda", "--backend", "te.module",
+                           "--batch", "2", "--seq", "512", "--heads", "16", "--head-dim", "64", *flags,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    rows = {row["backend"]: row for row in json.loads(out.read_text())["results"]}
+    for name in ("te.mha", "te.layer"):
+        row = rows[name]
+        assert row["verdict"] == "PASS", (name, row["reason"], done.stdout[-3000:])
+        assert "> DotProductAttention: " in row["ran"] and "no backend" not in row["ran"]
+        assert set(row["tensors"]) >= {"out", "dq", "dk", "dv", "layer_q", "layer_out", "layer_dx"}
+    assert done.returncode == 0, done.stdout[-3000:]
