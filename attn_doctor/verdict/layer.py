@@ -134,7 +134,7 @@ def layer_reason(row: RowView, module: str) -> tuple[str, str]:
     where = f"fault outside attention in the layer, {words}"
     later = [n for other, _ in stages[1:] for n in other if n in failing]
     if later:
-        where += f"; {', '.join(later)} fail too (after it)"
+        where += f"; {', '.join(later)} fail too, later in the layer"
     where += "; the core attention passes on the q, k, v it received"
     return where, f"{where} ({stage_why(row, names, failing)})"
 
