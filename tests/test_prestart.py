@@ -65,6 +65,7 @@ def test_te_is_prestarted_only_for_te_paths_on_a_gpu_without_cudnn_builds(monkey
     prestart_te((), None, "auto")
     prestart_te(("te.fused",), None, "cuda:1")
     prestart_te(("sdpa",), None, "cuda")  # no TE path asked for
+    prestart_te(("te.mha", "te.module"), None, "cuda")  # TE's layers run in a worker of their own family
     prestart_te((), "9.14.0", "cuda")  # each build's process has its own variables
     prestart_te((), None, "cpu")
     assert started == [("te", "cuda"), ("te", "cuda:1")]

@@ -11,12 +11,14 @@ from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
 from attn_doctor.backends.sdpa import SdpaKernel
 from attn_doctor.backends.te import CUDNN_MARK, TEAttention, without_build
+from attn_doctor.backends.te_module import TEModule
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
 
 # Table order: TE paths, PyTorch SDPA kernels, the local baseline; then the user's --kernel ones.
 REGISTRY: dict[str, type[Backend]] = {cls.family: cls for cls in (
     TEAttention,
+    TEModule,
     SdpaKernel,
     LocalAttention,
     UserKernel,
@@ -51,9 +53,9 @@ def path_names() -> tuple[str, ...]:
 def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...] = (),
            cudnn: str | None = None) -> list[BackendSpec]:
     """The specs a user asked for: --backend NAME (a row name, or a family for all its rows; all built-ins
-    when neither --backend nor --kernel is given), --kernel [NAME=]TARGET:FUNC, and --cudnn B1,B2 (each path
-    whose process loads cuDNN, once per build: `with_cudnn`). Unknown names, a kernel name that is taken and
-    a cuDNN build that is not here are bad input."""
+    but the opt-in ones, TE's layers, when neither --backend nor --kernel is given), --kernel
+    [NAME=]TARGET:FUNC, and --cudnn B1,B2 (each path whose process loads cuDNN, once per build: `with_cudnn`).
+    Unknown names, a kernel name that is taken and a cuDNN build that is not here are bad input."""
     specs = _select(names, kernels)
     return with_cudnn(specs, [part.strip() for part in cudnn.split(",") if part.strip()]) if cudnn else specs
 
@@ -85,8 +87,8 @@ def _select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, 
     chosen: list[BackendSpec] = []
     known = {spec.name: spec for spec in builtin_specs()}
     if names or not kernel_specs:
-        if not names:
-            chosen = list(known.values())
+        if not names:  # every built-in path but those run only when named (`Backend.opt_in`)
+            chosen = [spec for spec in known.values() if not backend_class(spec).opt_in]
         for name in names:
             family = REGISTRY.get(name)
             if family is not None and family.paths():
@@ -141,6 +143,21 @@ def match_context(spec: BackendSpec) -> dict:
     return backend_class(spec).match_context(spec)
 
 
+def own_layout(spec: BackendSpec) -> str | None:
+    """The one layout a layer path is planned on (`Backend.own_layout`); None: the run's layouts."""
+    return backend_class(spec).own_layout(spec)
+
+
+def is_layer_path(spec: BackendSpec) -> bool:
+    """Whether the spec is a whole layer around the attention (`Backend.layer_path`), judged on its own yardsticks."""
+    return spec.family in REGISTRY and backend_class(spec).layer_path
+
+
+def is_te_family(family: str) -> bool:
+    """Whether a family's paths are Transformer Engine's (its DotProductAttention paths, and its layers)."""
+    return family in (TEAttention.family, TEModule.family)
+
+
 def flash_style(spec: BackendSpec) -> bool:
     """Whether the spec's backward takes D from the output it returned (`Backend.flash_style`)."""
     return backend_class(spec).flash_style(spec)
@@ -163,4 +180,5 @@ def prepare_process(family: str) -> dict:
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
            "repro_source", "short_call", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
-           "with_cudnn", "on_build", "without_build", "CUDNN_MARK"]
+           "with_cudnn", "on_build", "without_build", "CUDNN_MARK", "own_layout", "is_layer_path",
+           "is_te_family"]

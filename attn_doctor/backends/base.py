@@ -124,6 +124,11 @@ class Backend(ABC):
     loads_cudnn: ClassVar[bool] = False  # `--cudnn` picks the cuDNN build its process loads (`process_environment`)
     # The paths a family always offers, (name, options) each; `paths` may work out others at run time.
     fixed_paths: ClassVar[tuple[tuple[str, dict[str, Any]], ...]] = ()
+    # A whole layer around the attention (TE's MultiheadAttention, TransformerLayer): its single call is a layer
+    # probe (`attn_doctor.probes.module`) on the layout `own_layout` names, judged against its own yardsticks.
+    layer_path: ClassVar[bool] = False
+    # Run only when named (--backend NAME or its family), not by a run that names no backend.
+    opt_in: ClassVar[bool] = False
     # The options a spec of this family cannot be rebuilt without (text each): a results row read back must have them.
     required_options: ClassVar[tuple[str, ...]] = ()
 
@@ -141,6 +146,11 @@ class Backend(ABC):
 
     @classmethod
     def static_skip(cls, spec: BackendSpec, case: Case, device: str) -> str | None:
+        return None
+
+    @classmethod
+    def own_layout(cls, spec: BackendSpec) -> str | None:
+        """The one layout a path that makes its own q, k, v (a layer path) is planned on; None: the run's layouts."""
         return None
 
     @classmethod

@@ -344,7 +344,8 @@ def backend_options(fn: Callable) -> Callable:
     return _stack(fn, [
         click.option("--backend", "backends", multiple=True, metavar="NAME",
                      help="A backend to check (repeatable; 'te' and 'sdpa' name a whole family). "
-                          "Default: all built-in backends, or only the --kernel ones when given."),
+                          "Default: all built-in backends but TE's layers (te.mha, te.layer: named only), or only "
+                          "the --kernel ones when given."),
         click.option("--kernel", "kernels", multiple=True, metavar="[NAME=]TARGET:FUNC",
                      help="Your own kernel fn(q, k, v, *, causal, softmax_scale, **more) on bshd tensors; "
                           "TARGET is a module or a .py path (repeatable). Masks, lengths, bias and sinks arrive "

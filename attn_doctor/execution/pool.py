@@ -61,7 +61,8 @@ def prestart_te(backends: tuple[str, ...] | list[str], cudnn: str | None, device
     guess costs a process killed at exit, never a row."""
     import importlib.util
 
-    wants_te = not backends or any(name == "te" or name.startswith("te.") for name in backends)
+    layers = ("te.module", "te.mha", "te.layer")  # TE's layers: a worker of their own family (backends.te_module)
+    wants_te = not backends or any(name == "te" or name.startswith("te.") and name not in layers for name in backends)
     device = device_name if device_name.startswith("cuda") else (
         "cuda" if device_name == "auto" and os.path.exists("/dev/nvidiactl") else None)
     if wants_te and not cudnn and device is not None and importlib.util.find_spec("transformer_engine") is not None:

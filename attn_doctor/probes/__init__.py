@@ -2,6 +2,8 @@
 
 Each kind that runs in a worker is one module with `run(backend, coords, caches, progress)` (CALL's also
 takes `repeats`: `--repeats N`); DISTRIBUTED probes run on torchrun ranks instead (`attn_doctor.distributed`).
+A layer path's single call (`Backend.layer_path`: TE's MultiheadAttention and TransformerLayer) is the whole
+layer, probed by `module`.
 `plan` turns requests into coordinates.
 """
 
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from attn_doctor.backends import Backend
 from attn_doctor.core.coords import Coords, ProbeKind
-from attn_doctor.probes import call, depth, tp
+from attn_doctor.probes import call, depth, module, tp
 from attn_doctor.probes.caches import Caches, Progress
 from attn_doctor.probes.outcome import ProbeOutcome
 
@@ -27,13 +29,19 @@ def run_probe(backend: Backend, coords: Coords, caches: Caches, progress: Progre
     if repeats != 1 and not coords.kind_rules.repeats:
         raise ValueError(f"repeats apply to single calls only, not to {coords.kind.name} probes")
     more = {"repeats": repeats} if repeats != 1 else {}
+    runner = RUNNERS[coords.kind]
+    if backend.layer_path and coords.kind is ProbeKind.CALL:
+        if repeats != 1:  # refused, not ignored: a SKIP row saying so
+            return ProbeOutcome("skip", reason=f"--repeats applies to single attention calls; {backend.name} runs its "
+                                               "whole layer once: drop --repeats for it")
+        runner, more = module.run, {}
     try:
-        outcome = RUNNERS[coords.kind](backend, coords, caches, progress, **more)
+        outcome = runner(backend, coords, caches, progress, **more)
     except Unsupported as exc:
         return ProbeOutcome("skip", reason=str(exc))
     outcome.extra.update(backend.facts())
     cache = caches.depth if coords.kind is ProbeKind.DEPTH else caches.case
-    outcome.extra["reference"] = cache.reference_source
+    outcome.extra.setdefault("reference", cache.reference_source)  # a layer probe computes its own
     return outcome
 
 

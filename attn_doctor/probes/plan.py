@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from attn_doctor.backends import BASELINE, BackendSpec
+from attn_doctor.backends import BASELINE, BackendSpec, own_layout
 from attn_doctor.backends import static_skip as backend_static_skip
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import Coords, ProbeKind
@@ -20,10 +20,11 @@ from attn_doctor.core.layouts import default_layouts
 
 
 def plan_calls(case: Case, specs: list[BackendSpec], layouts: list[str]) -> list[Coords]:
-    """The baseline, then every spec on every layout (none given: the case's defaults, `default_layouts`)."""
+    """The baseline, then every spec on every layout (none given: the case's defaults, `default_layouts`); a layer
+    path, which makes its own q, k, v, on its own layout once."""
     coords = [Coords.call(case, BASELINE)]
     for spec in specs:
-        for layout in layouts or default_layouts(case):
+        for layout in [own_layout(spec)] if own_layout(spec) else layouts or default_layouts(case):
             if not (spec == BASELINE and layout == "contiguous"):
                 coords.append(Coords.call(case, spec, layout))
     return coords

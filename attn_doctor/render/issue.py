@@ -64,15 +64,20 @@ class IssueBody:
 def issue_body(data: ReportData) -> IssueBody:
     """The issue body (one plain paragraph when nothing failed: no issue to file) within ISSUE_LIMIT: the fault, the short repro inline (named to attach when even it does not
     fit), the template's sections; lists cut to fit, what they leave out named in the attached results file."""
+    from attn_doctor.backends import is_te_family
+
     fault = data.fault
     if fault is None:
         return IssueBody(no_issue(data.report), [], [])
     results = data.source.name if data.source is not None else "the results file"
     top = [f"**Title:** {escape(issue_title(fault, data.report))}", ""]
-    if fault.row.family != "te":
+    if not is_te_family(fault.row.family):
         top += [(f"_{escape(fault.row.backend)} is not a Transformer Engine path: this report belongs with the "
                  "tracker of the library that provides it._"), ""]
     top += ["**Describe the bug**", "", summary(fault), ""]
+    layer = fault.row.extra.get("layer")
+    if isinstance(layer, dict) and layer.get("where"):  # a layer path's row: where in the layer (verdict/layer.py)
+        top += [f"In the layer: {escape(layer['where'])}.", ""]
     top += minimal_case(fault)
     after = expected(fault)
     bottom = environment(data.report, fault.builds) + additional_context(data.report)
@@ -168,9 +173,14 @@ def condition_text(condition: Condition) -> str:
 
 def issue_title(fault: Fault, report: RunReport) -> str:
     """What is wrong, where, when (the bisect's conditions, else the case) and on what (TE, cuDNN, GPU)."""
+    from attn_doctor.backends import is_te_family
+
     row = fault.row
     tensors = fault.failing_tensors
-    what = f"computes wrong {tensors_text(tensors)} ({'forward' if 'out' in tensors else 'backward'})" if tensors \
+    from attn_doctor.verdict.layer import FORWARD  # out, and a layer row's forward stages
+
+    forward = any(name in FORWARD for name in tensors)
+    what = f"computes wrong {tensors_text(tensors)} ({'forward' if forward else 'backward'})" if tensors \
         else "crashes"
     when = f"on {row.case.short()}" + (f", {row.layout} q/k/v" if row.layout != "contiguous" else "")
     if fault.bisect is not None and fault.bisect.necessary:
@@ -178,7 +188,7 @@ def issue_title(fault: Fault, report: RunReport) -> str:
     env = report.env
     versions = [*([f"TE {env.te.value}"] if env is not None and env.te.value else []), *fault.builds.versions(),
                 *(g.name for g in env.gpus[:1] if env is not None)]
-    prefix = "[PyTorch] " if row.family == "te" else ""
+    prefix = "[PyTorch] " if is_te_family(row.family) else ""
     return f"{prefix}{path_name(row)} {what} {when}" + (f" ({', '.join(versions)})" if versions else "")
 
 

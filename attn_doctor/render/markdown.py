@@ -156,6 +156,9 @@ def report_markdown(data: ReportData) -> str:
     whys = []
     for row in [*failing, *data.undecided]:
         head = f"- {escape(row.backend)} on {escape(row.layout)} ({escape(row.case.short())})"
+        layer = row.extra.get("layer")
+        if isinstance(layer, dict) and layer.get("where"):  # a layer path's row: where in the layer
+            head += f", {escape(layer['where'])}"
         failed = [(name, t.why) for name, t in row.tensors.items() if t.verdict == row.verdict and t.why]
         # one entry per row: each failing tensor's error, its yardstick, and why that yardstick
         whys.append("\n".join([f"{head}:"] + [f"  - {name}: {escape(why)}" for name, why in failed]) if failed

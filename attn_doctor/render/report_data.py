@@ -186,14 +186,14 @@ def row_builds(row: Row, rows: list[Row], bisect: BisectRecord | None = None,
     on the builds its cuDNN knob tried. A row that read back no cuDNN (PyTorch's cuDNN kernel; a TE row of a document
     made before rows read theirs) ran on what its library loads on the machine (`env`, its fingerprint). The one
     place every format takes these facts from."""
-    from attn_doctor.backends import without_build
+    from attn_doctor.backends import is_te_family, without_build
     from attn_doctor.machine.cudnn_builds import builds_sentence, version_order
 
     cudnn = row.extra.get("cudnn")
     cudnn = str(cudnn) if isinstance(cudnn, (str, int)) and cudnn else None
     read_back, loaded_by = cudnn is not None, ""
     if cudnn is None and env is not None:  # what the library loads where no build was asked for
-        loaded_by, machine = (("TE", env.te_cudnn) if row.family == "te" else
+        loaded_by, machine = (("TE", env.te_cudnn) if is_te_family(row.family) else
                               ("PyTorch", env.torch_cudnn) if row.coords.backend.options.get("kernel") == "cudnn" else
                               ("", None))
         cudnn = machine.value.split()[0] if machine is not None and machine.value else None
@@ -292,6 +292,10 @@ class Fault:
         """Forward or backward: what the bisect diagnosed, else what the failing tensors say."""
         if self.bisect is not None and self.bisect.diagnosis.get("first_wrong"):
             return str(self.bisect.diagnosis["first_wrong"])
+        if self.failing_tensors and isinstance(self.row.extra.get("layer"), dict):  # a layer path's row
+            from attn_doctor.verdict.layer import first_wrong as first_wrong_in_layer
+
+            return first_wrong_in_layer(self.failing_tensors)
         return first_wrong(self.failing_tensors) if self.failing_tensors else "the call itself (it crashed)"
 
     @property
@@ -318,12 +322,15 @@ def right_paths(rows: list[Row], faulty: Row) -> list[Row]:
     """The rows that pass on the faulty row's inputs (same case, against the same reference) and tell something
     about it: the other paths on its very views (its layout), the faulty path itself on other layouts, and the
     baseline (the yardstick) — in that order."""
-    from attn_doctor.backends import BASELINE
+    from attn_doctor.backends import BASELINE, is_layer_path
 
     same_inputs = faulty.coords.baseline_key()
+    if is_layer_path(faulty.coords.backend):
+        return []  # a layer path's attention ran on its own layer's q, k, v: no other row had those inputs
 
     def telling(row: Row) -> int | None:
-        if row.verdict != PASS or row.coords.baseline_key() != same_inputs or row.coords == faulty.coords:
+        if (row.verdict != PASS or row.coords.baseline_key() != same_inputs or row.coords == faulty.coords
+                or is_layer_path(row.coords.backend)):
             return None
         if row.layout == faulty.layout:
             return 0

@@ -162,6 +162,9 @@ def failure_lines(rows: list[Row], limit: int = FAILURE_LINES) -> list[Text]:
     that yardstick."""
     lines = []
     for row in rows:
+        located = row.extra.get("layer", {}).get("where") if isinstance(row.extra.get("layer"), dict) else ""
+        if located and row.verdict == "FAIL":  # a layer path's row: where in the layer (`attn_doctor.verdict.layer`)
+            lines.append(Text.assemble(("FAIL ", VERDICT_STYLE["FAIL"]), f"{row.backend} ({row.layout}): {located}"))
         for name, t in row.tensors.items():
             if t.verdict == "FAIL":
                 where = f"{row.layout}, {row.coords.label()}" if row.coords.label() else row.layout

@@ -25,6 +25,7 @@ from attn_doctor.verdict.rule import (
     figures_of,
     judge_tensor,
 )
+from attn_doctor.verdict.layer import is_layer_row, judge_layer_row
 from attn_doctor.verdict.view import RowView
 
 # The fewest other paths (of families other than the judged one's) whose median error is a second opinion.
@@ -40,6 +41,9 @@ def judge(rows: list[RowView]) -> list[RowView]:
     for row in rows:
         if not row.metrics:
             continue  # SKIP and ERROR rows keep the verdict the probe gave them
+        if is_layer_row(row):  # a layer path carries its own yardsticks (`attn_doctor.verdict.layer`)
+            judge_layer_row(row)
+            continue
         base = baselines.get(row.coords.baseline_key())
         if base is None:
             row.verdict = ERROR
