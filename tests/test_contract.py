@@ -449,3 +449,67 @@ def test_a_reader_that_goes_away_loses_no_results_and_no_verdict(kernel, code, t
     assert proc.returncode == code, err.decode()
     assert "Traceback" not in err.decode()
     assert json.loads(results.read_text())["format"] == "attn-doctor/results"
+
+
+def _run_session_in_thread(groups, **run_groups_options):
+    """run_groups in a thread, with a bound: a session that stalls fails the test instead of hanging it."""
+    import threading
+
+    from attn_doctor.execution.session import Session
+
+    result: dict = {}
+
+    def go() -> None:
+        with Session("cpu", workers_per_family=1) as session:
+            try:
+                result["rows"] = session.run_groups(groups, **run_groups_options)
+            except Exception as exc:  # noqa: BLE001 - what the test looks at
+                result["raised"] = exc
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the session stalled"
+    return result
+
+
+def _small_groups():
+    from attn_doctor.backends import select
+    from attn_doctor.core.case import make_case
+    from attn_doctor.core.coords import Coords
+
+    specs = select(["local", "sdpa.math"])
+    return [[Coords.call(make_case(batch=1, seq=32, heads=2, head_dim=16, seed=seed), spec, "contiguous")
+             for spec in specs] for seed in range(1, 7)]
+
+
+@pytest.mark.slow
+def test_an_error_of_attn_doctor_judging_one_point_is_its_rows_internal_error_and_the_rest_goes_on(monkeypatch):
+    """One worker per family: a family whose only thread died would leave its references kept, and every other
+    family waiting for room to keep more (the te-tests sweep on the H100 stalled so, issue 51)."""
+    import attn_doctor.execution.session as session_module
+
+    real = session_module.judge
+
+    def judge_failing_on_seed_2(rows):
+        if rows and rows[0].case.seed == 2:
+            raise ZeroDivisionError("a bug in judging")
+        return real(rows)
+
+    monkeypatch.setattr(session_module, "judge", judge_failing_on_seed_2)
+    result = _run_session_in_thread(_small_groups())
+    verdicts = [[row.verdict for row in group] for group in result["rows"]]
+    assert verdicts[1] == ["ERROR", "ERROR"] and all(v == ["PASS", "PASS"] for i, v in enumerate(verdicts) if i != 1)
+    row = result["rows"][1][0]
+    assert row.internal and row.reason.startswith("attn-doctor internal error (not the kernel's): ZeroDivisionError")
+    assert "judge_failing_on_seed_2" in row.detail  # the traceback, for the report to attn-doctor
+
+
+@pytest.mark.slow
+def test_a_failure_handling_a_finished_point_stops_the_session_and_is_raised_not_a_stall():
+    def writing_fails(index, rows):
+        if index == 2:
+            raise OSError("No space left on device")
+
+    result = _run_session_in_thread(_small_groups(), on_group=writing_fails)
+    assert isinstance(result.get("raised"), OSError)

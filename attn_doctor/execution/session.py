@@ -24,11 +24,13 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_doctor.backends import BASELINE, BackendSpec, process_of
 from attn_doctor.core.coords import Coords
+from attn_doctor.core.errors import first_line
 from attn_doctor.execution.budget import MemoryBudget, size
 from attn_doctor.execution.memory_plan import MemoryPlan, plan_memory, probe_need
 from attn_doctor.execution.pool import Worker
@@ -60,6 +62,14 @@ def row_from_reply(coords: Coords, reply: dict) -> Row:
         extra=reply.get("extra", {}),
         internal=internal,
     )
+
+
+def internal_row(coords: Coords, exc: BaseException) -> Row:
+    """The row of a probe that attn-doctor itself failed to run or judge (its own bug, never the kernel's): an
+    ERROR that says so, with the traceback as its detail."""
+    return row_from_reply(coords, {"status": "error", "internal": True,
+                                   "reason": f"{type(exc).__name__}: {first_line(exc)}",
+                                   "detail": "".join(traceback.format_exception(exc))[-4000:]})
 
 
 def repeats_of(coords: Coords, repeats: int) -> int:
@@ -107,6 +117,7 @@ class _Batch:
 
     # probes that ran out of memory, to retry alone: (group, index)
     deferred: list[tuple[int, int]] = field(default_factory=list)
+    failure: BaseException | None = None  # attn-doctor's own error that stopped the batch (re-raised by the session)
 
     def __post_init__(self) -> None:
         self.results = [{} for _ in self.groups]
@@ -134,7 +145,11 @@ class _Batch:
             if self.on_row:
                 self.on_row(row)
             if len(self.results[group]) == len(self.groups[group]):
-                self.judged[group] = judge([self.results[group][i] for i in range(len(self.groups[group]))])
+                rows = [self.results[group][i] for i in range(len(self.groups[group]))]
+                try:
+                    self.judged[group] = judge(rows)
+                except Exception as exc:  # noqa: BLE001 - attn-doctor's own bug: these rows say so, the rest go on
+                    self.judged[group] = [internal_row(r.coords, exc) if r.metrics else r for r in rows]
                 if self.on_group:
                     self.on_group(group, self.judged[group])
 
@@ -217,8 +232,10 @@ class Session:
             self._wait(batch, [lambda: self._serve_in_turn(batch, units)])
         else:
             self._wait(batch, [lambda f=f: self._serve_family(batch, units[f], starting[f], f) for f in units])
-        if batch.deferred:
+        if batch.deferred and batch.failure is None:
             self._wait(batch, [lambda: self._retry_alone(batch)])
+        if batch.failure is not None:
+            raise batch.failure
         if self.device.startswith("cuda"):
             import torch
 
@@ -269,14 +286,14 @@ class Session:
         spec: BackendSpec = coords.backend
         key = process_of(spec)[0]
         reference = self.references.handle(coords.case, coords.reference_layers)
-        room = self._room(key, alone)
-        # families taking turns: each worker gives its allocator's cache back after each job, so that the next
-        # family's turn finds the memory free (a worker that measured a long case would otherwise keep it all)
-        message = {"op": "run", "coords": coords.to_dict(), "reference": reference,
-                   "repeats": repeats_of(coords, self.repeats), "memory_cap": room,
-                   "release": bool(self.plan and self.plan.serial)}
-        starting.join()
-        try:
+        try:  # the job is done with the reference whatever happens: a kept one never freed would stall the others
+            room = self._room(key, alone)
+            # families taking turns: each worker gives its allocator's cache back after each job, so that the next
+            # family's turn finds the memory free (a worker that measured a long case would otherwise keep it all)
+            message = {"op": "run", "coords": coords.to_dict(), "reference": reference,
+                       "repeats": repeats_of(coords, self.repeats), "memory_cap": room,
+                       "release": bool(self.plan and self.plan.serial)}
+            starting.join()
             reply = worker.request(message, on_progress=lambda text: self.progress.note(f"{spec.name}: {text}"))
         finally:
             self.references.done(coords.case, coords.reference_layers)
@@ -335,7 +352,18 @@ class Session:
             for index in indices:
                 if batch.stopped.is_set():
                     return
-                self._probe(batch, worker, group, index, starting)
+                try:
+                    self._probe(batch, worker, group, index, starting)
+                except Exception as exc:  # noqa: BLE001 - attn-doctor's own bug in this probe: its row says so,
+                    # and this family serves on (a family of one worker that stopped would stall every other
+                    # family waiting for room to keep references: issue 51's sweeps on the H100)
+                    try:
+                        batch.finish(group, index, internal_row(batch.groups[group][index], exc))
+                    except Exception as failure:  # noqa: BLE001 - not even that: stop everything, say why
+                        batch.failure = failure
+                        batch.stopped.set()
+                        self.references.clear()  # releases every job waiting for room
+                        return
 
     def _serve_family(self, batch: _Batch, family_units: list, at_once: int, family: str) -> None:
         todo: queue.Queue = queue.Queue()
