@@ -184,7 +184,7 @@ def test_new_flags_are_bad_input_when_they_cannot_apply(run_cli):
     assert "padding mask type" in line
 
 
-def test_the_sweep_grids_num_splits_and_fp8_backward(run_cli):
+def test_the_sweep_grids_num_splits_and_fp8_backward():
     from attn_doctor.cli.options import build_grid
 
     _, grid, _, _ = build_grid({"num_splits": "1,2", "fp8_backward": "fp8,f16", "max_logit": True})
@@ -204,11 +204,15 @@ def test_mxfp8_rounds_blocks_of_32_with_power_of_two_scales():
 def test_the_f16_backward_simulation_rounds_the_forward_alone():
     q, k, v = (torch.randn(16, 1, 2, 8, requires_grad=True) for _ in range(3))
     grads = {}
-    for mode in ("fp8", "f16"):
+    modes = {backward: standalone.fp8_mode(make_case(fp8="delayed", fp8_backward=backward).plain())
+             for backward in ("fp8", "f16")}
+    assert modes["fp8"] == standalone.FP8_DEFAULT and modes["f16"][2] is None
+    assert standalone.fp8_mode(make_case(fp8="mxfp8", fp8_backward="f16").plain()) == ("mx-e4m3", "e4m3", None)
+    for backward, mode in modes.items():
         out = standalone.megatron_core_attention(q, k, v, 8 ** -0.5, None, fp8=mode)
-        grads[mode] = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        grads[backward] = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     plain = standalone.megatron_core_attention(q, k, v, 8 ** -0.5, None)
-    f16_out = standalone.megatron_core_attention(q, k, v, 8 ** -0.5, None, fp8="f16")
+    f16_out = standalone.megatron_core_attention(q, k, v, 8 ** -0.5, None, fp8=modes["f16"])
     assert not torch.equal(f16_out, plain)  # the forward is FP8 in both modes
     assert any(not torch.equal(a, b) for a, b in zip(grads["fp8"], grads["f16"]))  # the backward differs
 
@@ -230,3 +234,17 @@ def test_with_several_flash_attention_versions_each_is_a_path_of_its_own(monkeyp
     monkeypatch.setattr(te_backend, "flash_versions_installed", lambda: ["2", "3"])
     monkeypatch.setattr(te_backend, "te_version", lambda: (2, 17))  # no NVTE_FLASH_ATTN_V* before TE 2.18
     assert not any(name.startswith("te.flash.fa") for name, _ in te_backend.te_paths())
+
+
+def test_a_recipe_s_families_pick_its_grids_and_an_unknown_one_is_bad_input(run_cli, tmp_path):
+    from attn_doctor.cli.options import build_cases
+    from attn_doctor.core.recipes import load_recipe
+
+    recipe = load_recipe("te-tests")
+    assert {"base", "max_logit", "d256", "fp8_vs_f16", "mxfp8"} <= set(recipe.family_names())
+    cases, _, _, _, _ = build_cases({"recipe": "te-tests", "family": "mxfp8"})
+    assert cases and all(case.fp8 == "mxfp8" for case in cases)
+    line = one_line_error(run_cli(["sweep", "--recipe", "te-tests", "--family", "nope", "--device", "cpu"]))
+    assert "no family nope" in line and "max_logit" in line
+    line = one_line_error(run_cli(["sweep", "--family", "base", "--device", "cpu"]))
+    assert "--family picks grids of a recipe" in line

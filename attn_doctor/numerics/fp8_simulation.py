@@ -9,7 +9,7 @@ tensors E5M2), each with a per-tensor scale from its own amax, and computes the 
     forward:  Q, K, V (E4M3), P = softmax(S) (E4M3), O (E4M3)
     backward: dO, dP (E5M2), dS (E5M2), dQ, dK, dV (E5M2)
 
-The other FP8 modes of TE (`standalone.FP8_MODES`): with `--fp8-backward f16` (NVTE_FP8_DPA_BWD=0) TE runs the
+The other FP8 modes of TE (`standalone.fp8_mode`): with `--fp8-backward f16` (NVTE_FP8_DPA_BWD=0) TE runs the
 forward in FP8 and the backward as its F16/BF16 fused attention from the FP8 forward's output and statistics, so
 the simulation rounds the forward as above and nothing in the backward; MXFP8 (`--fp8 mxfp8`, Blackwell only)
 quantises Q, K, V in blocks of 32 values along the head dim, each block with a power-of-two scale (OCP MX), and the

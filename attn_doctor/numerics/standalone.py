@@ -403,17 +403,18 @@ def quantize(x: torch.Tensor, forward_format: str | None, backward_format: str |
     return Quantize.apply(x, forward_format, backward_format)
 
 
-# How each FP8 mode of TE's attention rounds (forward format of Q, K, V; of P and O; backward format or None):
-# per-tensor E4M3 forward and E5M2 backward (TE's HYBRID format); the F16 backward (NVTE_FP8_DPA_BWD=0) rounds
-# nothing in the backward; MXFP8 takes Q, K, V in blocks of 32 along the head dim.
-FP8_MODES = {"fp8": ("e4m3", "e4m3", "e5m2"), "f16": ("e4m3", "e4m3", None), "mxfp8": ("mx-e4m3", "e4m3", "e5m2")}
+# How TE's FP8 attention rounds, as (Q, K, V's forward format, P and O's, the backward's or None): per-tensor
+# E4M3 forward and E5M2 backward (TE's HYBRID format); MXFP8 takes Q, K, V in blocks of 32 along the head dim; with
+# the F16 backward (NVTE_FP8_DPA_BWD=0) nothing in the backward is rounded.
+FP8_DEFAULT = ("e4m3", "e4m3", "e5m2")
 
 
-def fp8_mode(case: dict) -> str | None:
-    """The row of FP8_MODES a case's FP8 attention rounds as, or None without FP8."""
+def fp8_mode(case: dict) -> tuple[str, str, str | None] | None:
+    """How a case's FP8 attention rounds (see FP8_DEFAULT), or None without FP8."""
     if case["fp8"] == "none":
         return None
-    return "mxfp8" if case["fp8"] == "mxfp8" else case["fp8_backward"]
+    return ("mx-e4m3" if case["fp8"] == "mxfp8" else "e4m3", "e4m3",
+            None if case["fp8_backward"] == "f16" else "e5m2")
 
 
 def megatron_core_attention(
@@ -423,12 +424,12 @@ def megatron_core_attention(
     """Megatron's core attention on sbhd tensors (baddbmm in the input dtype, fp32 softmax after
     masked_fill(-10000), probabilities in the input dtype, bmm with v) with the boolean mask `visible` (None:
     all visible), a `bias` added to the scores and `sink` logits [heads]; rows that see no key output 0.
-    `fp8` (True: "fp8", or a key of FP8_MODES): Q, K, V, P, O rounded to E4M3 and their gradients and dS to E5M2,
-    as TE's FP8 attention does; "f16": the backward unrounded; "mxfp8": Q, K, V in MXFP8 blocks."""
+    `fp8` (True: FP8_DEFAULT, or a `fp8_mode`): Q, K, V, P, O rounded to E4M3 and their gradients and dS to E5M2, as
+    TE's FP8 attention does; with the F16 backward the backward unrounded; MXFP8: Q, K, V in MXFP8 blocks."""
     seq_q, batch, heads, head_dim = q.shape
     seq_kv, _, kv_heads, _ = k.shape
     head_dim_v = v.shape[-1]
-    mode = FP8_MODES["fp8" if fp8 is True else fp8] if fp8 else None
+    mode = FP8_DEFAULT if fp8 is True else fp8 or None
     fp8 = mode is not None
     if fp8:
         q, k, v = (quantize(t, mode[0], mode[2]) for t in (q, k, v))
