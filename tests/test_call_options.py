@@ -229,6 +229,8 @@ def test_with_several_flash_attention_versions_each_is_a_path_of_its_own(monkeyp
     env = te_backend.path_environment("flash", "3")
     assert env["NVTE_FLASH_ATTN"] == "1" and env["NVTE_FLASH_ATTN_V3"] == "1"
     assert env["NVTE_FLASH_ATTN_V2"] == env["NVTE_FLASH_ATTN_V4"] == "0" and env["NVTE_FUSED_ATTN"] == "0"
+    own_choice = te_backend.path_environment("flash")  # after te.flash.fa3 in the same worker: TE's choice again
+    assert all(own_choice[f"NVTE_FLASH_ATTN_V{major}"] == "1" for major in "234")
     monkeypatch.setattr(te_backend, "flash_versions_installed", lambda: ["4"])
     assert not any(name.startswith("te.flash.fa") for name, _ in te_backend.te_paths())  # one version: te.flash
     monkeypatch.setattr(te_backend, "flash_versions_installed", lambda: ["2", "3"])

@@ -262,8 +262,11 @@ def path_environment(path: str, flash_version: str | None = None) -> dict[str, s
     FlashAttention versions, only `flash_version`'s where one is chosen); and TE's unfused path is its FP8
     emulation (otherwise disabled under FP8)."""
     flags = {flag: "1" if name == path else "0" for name, flag in FLAGS.items()}
-    if flash_version is not None:
-        flags.update({f"NVTE_FLASH_ATTN_V{major}": "1" if major == flash_version else "0" for major in FLASH_PACKAGES})
+    if flash_version is not None or path == "flash" and len(flash_versions_installed()) > 1:
+        # every version's flag set, so that a path run earlier in this process (te.flash.fa3) cannot narrow a later
+        # one's choice (te.flash: TE's own, all on)
+        flags.update({f"NVTE_FLASH_ATTN_V{major}": "1" if flash_version in (None, major) else "0"
+                      for major in FLASH_PACKAGES})
     return {**flags, UNFUSED_FP8_EMULATION: "1" if path == "unfused" else "0"}
 
 

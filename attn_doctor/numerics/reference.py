@@ -251,8 +251,7 @@ def max_logit_reference(q: torch.Tensor, k: torch.Tensor, semantics: Semantics, 
     scale * q_id * k_jd and the bias, as a root-sum-square: a correct kernel rounds the score it reports to ~u of
     that (fp32 scores from low-precision inputs, or the inputs' own precision where it computes scores in them),
     which does not vanish where the score itself is ~0. Query rows a block at a time: no full score matrix."""
-    batch, _, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    batch, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
     case, f64, device = semantics.case, torch.float64, q.device
     best = torch.full((heads,), float("-inf"), dtype=f64, device=device)
     best_terms = torch.zeros(heads, dtype=f64, device=device)
