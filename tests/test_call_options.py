@@ -250,3 +250,52 @@ def test_a_recipe_s_families_pick_its_grids_and_an_unknown_one_is_bad_input(run_
     assert "no family nope" in line and "max_logit" in line
     line = one_line_error(run_cli(["sweep", "--family", "base", "--device", "cpu"]))
     assert "--family picks grids of a recipe" in line
+
+
+# --- the standalone repro ------------------------------------------------------------------------------------------
+
+def _full_repro(fields: dict, spec_name: str, tmp_path: Path):
+    """Run the full standalone repro of `spec_name` (local, or a kernel of tests/kernels/features.py) on a small
+    case with `fields`."""
+    import subprocess
+    import sys
+
+    from attn_doctor.backends import parse_kernel_spec, select
+    from attn_doctor.bisect.repro import repro_text
+    from attn_doctor.core.coords import Coords
+
+    spec = select(["local"])[0] if spec_name == "local" else parse_kernel_spec(f"{KERNELS}:{spec_name}")
+    case = make_case(batch=2, seq=32, heads=2, head_dim=16, **fields)
+    script = tmp_path / "repro.py"
+    script.write_text(repro_text(Coords.call(case, spec, "contiguous"), None, "test", "attn-doctor run ...",
+                                 full=True))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_the_full_repro_of_a_forward_only_case_judges_out_alone(tmp_path):
+    done = _full_repro({"forward_only": True}, "wrong_in_backward", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FIXED" in done.stdout and "\ndq" not in done.stdout  # a backward fault cannot show without a backward
+    done = _full_repro({}, "wrong_in_backward", tmp_path)
+    assert done.returncode == 1 and "STILL WRONG: dq" in done.stdout
+
+
+def test_the_full_repro_judges_the_max_logit_the_path_returns(tmp_path):
+    done = _full_repro({"return_max_logit": True}, "local", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "max_logit" in done.stdout and "FIXED" in done.stdout
+    done = _full_repro({"return_max_logit": True}, "correct", tmp_path)  # a kernel that returns none: said so
+    assert "max_logit not returned by the kernel: not judged" in done.stdout
+
+
+def test_the_dense_max_logit_equals_the_tiled_reference():
+    case = make_case(batch=2, seq=20, seq_kv=12, heads=4, kv_heads=2, head_dim=8, dtype="fp32",
+                     mask="padding_causal_bottom_right", seqlens=(20, 9), seqlens_kv=(12, 5),
+                     bias="alibi", alibi_slopes="random-batch")
+    inputs = make_inputs(case, torch.device("cpu"))
+    tiled, tiled_terms = max_logit_reference(inputs.q, inputs.k, inputs.semantics, case.softmax_scale)
+    plain = case.plain()
+    dense, dense_terms = standalone.dense_max_logit(
+        inputs.q, inputs.k, case.softmax_scale, standalone.dense_allowed(plain, None, "cpu"),
+        standalone.dense_bias(plain, None, torch.float64, "cpu"))
+    assert torch.allclose(tiled, dense, rtol=1e-12) and torch.allclose(tiled_terms, dense_terms, rtol=1e-10)

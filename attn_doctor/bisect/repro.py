@@ -68,6 +68,7 @@ DTYPE = TORCH_DTYPES[CASE["dtype"]]  # the inputs'
 EXPLICIT = BIAS = SINK = None  # the case's explicit mask, bias and sink logits (draw_side_inputs, set in main)
 SINK_LEAF = None  # a kernel whose library keeps its own sink parameter (TE) points this at it
 WARMUP_DOUT = None  # the output gradient in the kernel's format (FP8 delayed scaling's warm-up step takes it)
+MAX_LOGIT = None  # with --max-logit: the max logit per head the last kernel call returned
 
 
 def inputs():
@@ -91,14 +92,23 @@ def packed_index(side):
 
 
 def reference(q, k, v, dout):
-    """Float64 out, dq, dk, dv (and the learnable sink's dsink), each with its rows' squared term sizes."""
+    """Float64 out, dq, dk, dv (and the learnable sink's dsink; the max logit), each with its squared term sizes,
+    by name; out alone (and the max logit) for a forward-only case."""
     exact = dense_reference(q, k, v, dout, CASE["scale"], visible(), added_bias(torch.float64), SINK)
-    names = ("out", "dq", "dk", "dv") + (("dsink",) if CASE["softmax"] == "learnable" else ())
-    return [(exact[name], exact[f"{name}_terms"]) for name in names]
+    names = ("out",) if CASE["forward_only"] else ("out", "dq", "dk", "dv") + (
+        ("dsink",) if CASE["softmax"] == "learnable" else ())
+    found = {name: (exact[name], exact[f"{name}_terms"]) for name in names}
+    if CASE["return_max_logit"]:
+        found["max_logit"] = dense_max_logit(q, k, CASE["scale"], visible(), added_bias(torch.float64))
+    return found
 
 
 def megatron_local(q, k, v, sink=None):
-    """The baseline: Megatron-LM's local core attention (sbhd) with the case's mask, bias and sink."""
+    """The baseline: Megatron-LM's local core attention (sbhd) with the case's mask, bias and sink (and its max
+    logit, with --max-logit)."""
+    global MAX_LOGIT
+    if CASE["return_max_logit"]:
+        MAX_LOGIT = megatron_max_logit(q, k, CASE["scale"], visible(), added_bias(torch.float32))
     return megatron_core_attention(q, k, v, CASE["scale"], visible(), added_bias(torch.float32), sink,
                                    fp8=fp8_mode(CASE))
 
@@ -164,23 +174,30 @@ def shards(q, k, v, case):
 
 
 def run(backend, fmt, layout, q, k, v, dout):
-    """out, dq, dk, dv (bshd) of `backend` on the layout's views, and the sink's gradient (learnable sinks)."""
-    global SINK_LEAF, WARMUP_DOUT
+    """out, dq, dk, dv (bshd) of `backend` on the layout's views, and the sink's gradient (learnable sinks), by
+    name; out alone for a forward-only case; and the max logit the call returned, with --max-logit."""
+    global SINK_LEAF, WARMUP_DOUT, MAX_LOGIT
     index = {side: packed_index(side) if fmt == "thd" else None for side in ("q", "kv")}
     qkv, _ = lay_out(layout, q, k, v, fmt, index["q"], index["kv"])
     WARMUP_DOUT = to_format(dout, fmt, index["q"]).contiguous()
     learnable = CASE["softmax"] == "learnable"
     sink = SINK.detach().clone().requires_grad_() if learnable else SINK
-    SINK_LEAF = None
-    out = backend(*qkv, dict(CASE, sink=sink))
+    SINK_LEAF = MAX_LOGIT = None
+    padded = {"q": (CASE["batch"], CASE["seq"]), "kv": (CASE["batch"], CASE["seq_kv"])}
+    with torch.set_grad_enabled(not CASE["forward_only"]):
+        out = backend(*qkv, dict(CASE, sink=sink))
+    found = {"out": to_bshd(out.detach(), fmt, index["q"], padded["q"])}
+    if MAX_LOGIT is not None:
+        found["max_logit"] = MAX_LOGIT.detach().view(1, 1, -1, 1)
+    if CASE["forward_only"]:
+        return found
     target = (SINK_LEAF if SINK_LEAF is not None else sink) if learnable else None
     leaves = list(qkv) + ([target] if target is not None else [])
     grads = torch.autograd.grad(out, leaves, WARMUP_DOUT, allow_unused=True)
-    padded = {"q": (CASE["batch"], CASE["seq"]), "kv": (CASE["batch"], CASE["seq_kv"])}
-    found = [to_bshd(t.detach(), fmt, index[side], padded[side])
-             for t, side in zip((out, *grads[:3]), ("q", "q", "kv", "kv"))]
+    for name, t, side in zip(("dq", "dk", "dv"), grads[:3], ("q", "kv", "kv")):
+        found[name] = to_bshd(t.detach(), fmt, index[side], padded[side])
     if target is not None:
-        found.append((grads[3] if grads[3] is not None else torch.zeros_like(target)).detach().view(1, 1, -1, 1))
+        found["dsink"] = (grads[3] if grads[3] is not None else torch.zeros_like(target)).detach().view(1, 1, -1, 1)
     return found
 
 
@@ -194,13 +211,17 @@ def main():
     rows = compared_rows(CASE, EXPLICIT, DEVICE)
     own = {}
     if FLASH_STYLE and CASE["fp8"] == "none":
-        moves = flash_style_moves(q, k, dout, ref[0][0])
-        own = {name: errors(r + moves[name], r, terms, **rows.get(name, {}))
-               for name, (r, terms) in zip(("dq", "dk"), ref[1:3])}
+        moves = flash_style_moves(q, k, dout, ref["out"][0])
+        own = {name: errors(ref[name][0] + moves[name], ref[name][0], ref[name][1], **rows.get(name, {}))
+               for name in ("dq", "dk") if name in ref}
     wrong, undecided = [], []
     print(f"{'tensor':6} {'err':>10}  {'ratio':>10}  (err: relative to float64; * against the terms' scale,"
           " where the exact tensor cancels; ratio: to the local baseline's error, or to rounding noise)")
-    for name, x, b, (r, terms) in zip(("out", "dq", "dk", "dv", "dsink"), got, base, ref):
+    for name, (r, terms) in ref.items():
+        if name not in got or name not in base:
+            print(f"{name:6} not returned by the kernel: not judged")
+            continue
+        x, b = got[name], base[name]
         measured = errors(x, r, terms, **rows.get(name, {}))
         failed, shown, ratio, why = judge(measured, errors(b, r, terms, **rows.get(name, {})), name, own.get(name))
         star = "*" if measured["cancellation"] < CANCELLED else " "

@@ -469,6 +469,28 @@ def megatron_core_attention(
     return quantize(out, mode[1], mode[2]) if fp8 else out
 
 
+def dense_max_logit(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, allowed: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 max logit per head by the plain formula, every score materialised (bshd q, k; `allowed` and `bias`
+    as in `dense_reference`), [1, 1, heads, 1], with the winning score's squared term size twice, [1, 1, heads, 2]:
+    the standalone repro's, and the second implementation `reference.max_logit_reference` is held equal to."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    qh = q.to(torch.float64).transpose(1, 2) * softmax_scale
+    kh = k.to(torch.float64).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    products = qh[:, :, :, None, :] * kh[:, :, None, :, :]  # [b, h, sq, skv, d]
+    scores = products.sum(-1)
+    sizes = products.square().sum(-1)
+    if bias is not None:
+        full = bias.to(torch.float64).expand_as(scores)
+        scores, sizes = scores + full, sizes + full.square()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    flat = scores.transpose(0, 1).reshape(heads, -1)
+    top, where = flat.max(dim=1)
+    terms = sizes.transpose(0, 1).reshape(heads, -1).gather(1, where[:, None]).view(1, 1, heads, 1)
+    return top.view(1, 1, heads, 1), terms.expand(1, 1, heads, 2).clone()
+
+
 def megatron_max_logit(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, visible: torch.Tensor | None,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """Each head's largest score [heads] as Megatron's core attention computes its scores (baddbmm in the input
