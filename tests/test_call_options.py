@@ -299,3 +299,4 @@ def test_the_dense_max_logit_equals_the_tiled_reference():
         inputs.q, inputs.k, case.softmax_scale, standalone.dense_allowed(plain, None, "cpu"),
         standalone.dense_bias(plain, None, torch.float64, "cpu"))
     assert torch.allclose(tiled, dense, rtol=1e-12) and torch.allclose(tiled_terms, dense_terms, rtol=1e-10)
+

@@ -915,3 +915,19 @@ def test_out_that_already_holds_a_sweep_is_refused(tmp_path, monkeypatch, run_cl
     assert again.exit_code == 2
     assert "--resume" in again.stderr and len(again.stderr.strip().splitlines()) == 1
     assert (tmp_path / "sw" / "results.jsonl").read_text() == before
+
+
+# --- where a sweep's time goes -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_sweep_records_where_its_time_went_and_workers_can_write_their_profiles(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTN_DOCTOR_PROFILE_DIR", str(tmp_path / "prof"))
+    result = run_cli(["sweep", "--batch", "1", "--seq", "32", "--heads", "2", "--head-dim", "16", "--seed", "1,2",
+                      "--backend", "local", "--backend", "sdpa.math", "--layout", "contiguous", "--device", "cpu",
+                      "--out", tmp_path / "sweep"])
+    assert result.exit_code == 0, result.output
+    seconds = json.loads((tmp_path / "sweep" / "results.json").read_text())["seconds"]
+    assert {"worker start (local)", "worker start (sdpa)", "kernels", "comparison", "probes (wall)",
+            "points per minute"} <= set(seconds)
+    assert seconds["points"] == 2 and seconds["probes (wall)"] <= seconds["wall"]
+    assert {path.name.split("-")[1] for path in (tmp_path / "prof").glob("worker-*.prof")} == {"local", "sdpa"}

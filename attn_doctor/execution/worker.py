@@ -178,7 +178,7 @@ def free_memory(device) -> None:
 
 
 # A folder to write each worker's cProfile into (worker-FAMILY-PID.prof): where a worker's time goes, imports
-# included, for the benchmarks (benchmarks/h100/profile_sweep.sh); unset, nothing is profiled.
+# included, for the benchmarks (benchmarks/h100/cold-sweep.sh with PROFILE=1); unset, nothing is profiled.
 PROFILE_DIR = "ATTN_DOCTOR_PROFILE_DIR"
 
 
