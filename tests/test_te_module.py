@@ -372,6 +372,7 @@ def test_a_layer_row_renders_in_the_table_the_reports_and_the_summary(stand_in, 
     judge(rows)
     report = make_report(rows, specs, "cpu", "attn-doctor run --backend te.mha", read_te=False)
     assert "te.mha" in report.summary and report.exit_code != 0
+    assert "the baseline's error" not in report.summary  # a layer is judged on its own yardsticks
     print(report.summary)
     console = Console(file=io.StringIO(), width=80)
     for part in run_view(report, "attn-doctor run"):
@@ -434,3 +435,11 @@ def test_real_te_layers_pass_and_say_what_ran(tmp_path, flags):
         assert "> DotProductAttention: " in row["ran"] and "no backend" not in row["ran"]
         assert set(row["tensors"]) >= {"out", "dq", "dk", "dv", "layer_q", "layer_out", "layer_dx"}
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_a_layer_s_borderline_advice_asks_only_what_a_layer_path_takes():
+    from attn_doctor.verdict.diagnosis import CONFIRM, CONFIRM_LAYER, confirm_advice
+
+    assert confirm_advice(False) == CONFIRM and "--repeats" in CONFIRM
+    assert confirm_advice(True) == CONFIRM_LAYER and "another --seed" in CONFIRM_LAYER
+    assert "takes neither --repeats nor --dtype fp32" in CONFIRM_LAYER

@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from attn_doctor.backends import BASELINE
+from attn_doctor.backends import BASELINE, is_layer_path
 from attn_doctor.verdict.depth import depth_findings, depth_lines, depth_sentence
 from attn_doctor.verdict.rule import (
     BORDERLINE,
@@ -41,6 +41,7 @@ class Faulty:
     borderline: bool = False  # every failing tensor fails within BORDERLINE of its threshold
     systematic: tuple[str, ...] = ()  # failing tensors that fail only by a systematic error (bias)
     against_noise: bool = False  # the worst ratio is to rounding noise, not to the baseline's error
+    layer: bool = False  # a whole layer around the attention (`Backend.layer_path`): its yardsticks are its own
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +88,7 @@ def find_faulty(rows: list[RowView]) -> list[Faulty]:
                     row.verdict == ERROR for row in bad),
                 systematic=tuple(systematic),
                 against_noise=bool(failed) and max(failed, key=lambda t: t.ratio).yardstick_kind == NOISE_YARDSTICK,
+                layer=is_layer_path(bad[0].coords.backend),
             )
         )
     return faulty
@@ -155,8 +157,9 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
         text = f"All {len(tested)} tested paths agree with float64 as closely as a correct implementation in this dtype."
         close = borderline_passes(rows)
         if close:
+            layers = any(is_layer_path(row.coords.backend) for row in _borderline_rows(rows))
             text += (f" Borderline: {', '.join(close)} pass{'es' if len(close) == 1 else ''} within "
-                     f"{BORDERLINE:g}x of the threshold; {CONFIRM}.")
+                     f"{BORDERLINE:g}x of the threshold; {confirm_advice(layers)}.")
     else:
         sentences = []
         for f in faulty:
@@ -168,7 +171,8 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
                 elif f.systematic and set(f.systematic) == set(f.tensors):
                     how = " (a systematic error below the noise threshold)"
                 elif not math.isnan(f.worst_ratio):
-                    yardstick = "rounding noise" if f.against_noise else "the baseline's error"
+                    yardstick = ("rounding noise" if f.against_noise else "its yardsticks" if f.layer
+                                 else "the baseline's error")
                     how = f" (up to {f.worst_ratio:.1f}x {yardstick})"
                 else:
                     how = ""
@@ -178,8 +182,9 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
                 sentences.append(f"{f.backend}{ran} crashed or hung on layout {where}")
         text = "Faulty: " + "; ".join(sentences) + "."
         if any(f.borderline for f in faulty):
-            text += (f" A borderline failure is within {BORDERLINE:g}x of the threshold: {CONFIRM} before "
-                     "calling it a fault.")
+            layers = any(f.layer for f in faulty if f.borderline)
+            text += (f" A borderline failure is within {BORDERLINE:g}x of the threshold: {confirm_advice(layers)} "
+                     "before calling it a fault.")
         if undecided:
             text += f" {undecided}"
     too_big = [row for row in rows if row.verdict == TOO_BIG]
@@ -197,6 +202,14 @@ def summarize(rows: list[RowView], requested: list[str] | None = None) -> str:
 
 
 CONFIRM = "confirm with --repeats 5, another --seed, or --dtype fp32"
+# A layer path takes neither --repeats nor fp32 (TE's GEMMs may use TF32): another seed is what confirms it.
+CONFIRM_LAYER = "confirm with another --seed (a layer path takes neither --repeats nor --dtype fp32)"
+
+
+def confirm_advice(layers: bool) -> str:
+    """How to confirm a borderline verdict: the checks the paths concerned can take (`layers`: a layer path is
+    among them)."""
+    return CONFIRM_LAYER if layers else CONFIRM
 
 
 def undecided_text(rows: list[RowView]) -> str:
@@ -215,12 +228,15 @@ def undecided_text(rows: list[RowView]) -> str:
 
 def borderline_passes(rows: list[RowView]) -> list[str]:
     """'backend tensor' for each tensor that passes within BORDERLINE of its threshold."""
-    close = []
-    for row in rows:
-        for name, t in row.tensors.items():
-            if t.verdict == PASS and t.borderline and not row.coords.is_baseline(BASELINE):
-                close.append(f"{row.backend} {name}")
+    close = [f"{row.backend} {name}" for row in _borderline_rows(rows) for name, t in row.tensors.items()
+             if t.verdict == PASS and t.borderline]
     return list(dict.fromkeys(close))
+
+
+def _borderline_rows(rows: list[RowView]) -> list[RowView]:
+    """The rows (the baseline's left out) with a tensor that passes within BORDERLINE of its threshold."""
+    return [row for row in rows if not row.coords.is_baseline(BASELINE)
+            and any(t.verdict == PASS and t.borderline for t in row.tensors.values())]
 
 
 def flash_style_notes(rows: list[RowView]) -> list[str]:
