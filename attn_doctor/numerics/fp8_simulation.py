@@ -23,7 +23,8 @@ so the simulation and the kernel quantise with the same scales up to the amax hi
 error, the part of an FP8 kernel's error any correct FP8 implementation shares.
 
 The implementation is `attn_doctor.numerics.standalone.quantize`, shared with the standalone repro scripts;
-the local baseline (`standalone.megatron_core_attention`, fp8=True) applies it where listed above.
+the local baseline (`standalone.megatron_core_attention` with `fp8=standalone.fp8_mode(case)`) applies it where
+listed above.
 """
 
 from attn_doctor.numerics.standalone import quantize

@@ -419,20 +419,19 @@ def fp8_mode(case: dict) -> tuple[str, str, str | None] | None:
 
 def megatron_core_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, visible: torch.Tensor | None,
-    bias: torch.Tensor | None = None, sink: torch.Tensor | None = None, fp8: bool | str | None = False,
+    bias: torch.Tensor | None = None, sink: torch.Tensor | None = None,
+    fp8: tuple[str, str, str | None] | None = None,
 ) -> torch.Tensor:
     """Megatron's core attention on sbhd tensors (baddbmm in the input dtype, fp32 softmax after
     masked_fill(-10000), probabilities in the input dtype, bmm with v) with the boolean mask `visible` (None:
     all visible), a `bias` added to the scores and `sink` logits [heads]; rows that see no key output 0.
-    `fp8` (True: FP8_DEFAULT, or a `fp8_mode`): Q, K, V, P, O rounded to E4M3 and their gradients and dS to E5M2, as
-    TE's FP8 attention does; with the F16 backward the backward unrounded; MXFP8: Q, K, V in MXFP8 blocks."""
+    `fp8` (a `fp8_mode`): Q, K, V, P, O rounded to E4M3 and their gradients and dS to E5M2, as TE's FP8 attention
+    does; with the F16 backward the backward unrounded; MXFP8: Q, K, V in MXFP8 blocks."""
     seq_q, batch, heads, head_dim = q.shape
     seq_kv, _, kv_heads, _ = k.shape
     head_dim_v = v.shape[-1]
-    mode = FP8_DEFAULT if fp8 is True else fp8 or None
-    fp8 = mode is not None
-    if fp8:
-        q, k, v = (quantize(t, mode[0], mode[2]) for t in (q, k, v))
+    if fp8 is not None:
+        q, k, v = (quantize(t, fp8[0], fp8[2]) for t in (q, k, v))
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
@@ -445,8 +444,8 @@ def megatron_core_attention(
 
     in_float16 = q.dtype in (torch.float16, torch.bfloat16)
     x = scores.float() if in_float16 else scores
-    if fp8:
-        x = quantize(x, None, mode[2])  # dS is quantised in the backward
+    if fp8 is not None:
+        x = quantize(x, None, fp8[2])  # dS is quantised in the backward
     if bias is not None:
         x = x + bias.to(x.dtype)
     if visible is not None:
@@ -458,15 +457,15 @@ def megatron_core_attention(
         probs = torch.softmax(x, dim=-1)
     if visible is not None:
         probs = probs * visible.any(dim=-1, keepdim=True)  # rows that see no key: 0 (TE's convention)
-    if fp8:
-        probs = quantize(probs, mode[1], mode[2])
+    if fp8 is not None:
+        probs = quantize(probs, fp8[1], fp8[2])
     if in_float16:
         probs = probs.to(q.dtype)
 
     v2 = v.reshape(seq_kv, batch * heads, head_dim_v)
     context = torch.bmm(probs.reshape(batch * heads, seq_q, seq_kv), v2.transpose(0, 1))
     out = context.view(batch, heads, seq_q, head_dim_v).permute(2, 0, 1, 3)
-    return quantize(out, mode[1], mode[2]) if fp8 else out
+    return quantize(out, fp8[1], fp8[2]) if fp8 is not None else out
 
 
 def dense_max_logit(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, allowed: torch.Tensor | None = None,
