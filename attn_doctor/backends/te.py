@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -90,8 +91,10 @@ FLASH_PACKAGES = {"2": ("flash-attn",), "3": ("flash-attn-3", "flashattn-hopper"
 FIRST_TE_WITH_FLASH_CHOICE = (2, 18)
 
 
-def flash_versions_installed() -> list[str]:
-    """The FlashAttention major versions installed here (package metadata only: nothing is imported)."""
+@functools.cache
+def flash_versions_installed() -> tuple[str, ...]:
+    """The FlashAttention major versions installed here (package metadata only: nothing is imported), read once
+    per process: every forward of the flash path asks (`path_environment`)."""
     found = []
     for major, packages in FLASH_PACKAGES.items():
         for package in packages:
@@ -101,7 +104,7 @@ def flash_versions_installed() -> list[str]:
                 continue
             found.append(major)
             break
-    return found
+    return tuple(found)
 
 
 def te_paths() -> list[tuple[str, dict]]:
