@@ -354,3 +354,79 @@ def test_a_session_runs_what_its_plan_cannot_fit_and_lets_it_be_too_big(recorded
     with recorded.Session("cuda", budget=tiny) as session:
         session.run(coords)
         assert session.plan.serial and session.plan.estimate > tiny.bytes
+
+
+# --- how many workers, and phases by size ----------------------------------------------------------------------------
+
+def test_on_a_gpu_the_cores_are_shared_among_the_families_by_their_probes_and_on_the_cpu_one_each():
+    from attn_doctor.execution.concurrency import FLOOR, default_workers
+
+    probes = {"te": 400, "sdpa": 400, "local": 100}
+    units = {"te": 100, "sdpa": 100, "local": 100}
+    shares = default_workers(probes, units, "cuda", cores=16)
+    assert shares == {"te": 7, "sdpa": 7, "local": 2}  # 15 slots (one core the parent's), by probes
+    assert default_workers(probes, units, "cuda", cores=2) == {"te": FLOOR, "sdpa": FLOOR, "local": FLOOR}
+    assert default_workers(probes, {"te": 1, "sdpa": 3, "local": 100}, "cuda", cores=64)["te"] == 1  # one per unit
+    assert default_workers(probes, units, "cpu", cores=64) == {"te": 1, "sdpa": 1, "local": 1}
+
+
+def _sized_groups(small: int, large: int, specs=None):
+    cases = [make_case(seq=256, seed=seed) for seed in range(small)] + \
+        [make_case(seq=4096, seed=seed) for seed in range(large)]
+    specs = specs if specs is not None else select(["sdpa.math"])
+    return [point.coords(specs) for point in plan_points(cases, [])]
+
+
+def test_the_small_points_run_side_by_side_first_and_the_large_ones_on_fewer_workers_after():
+    from attn_doctor.execution.memory_plan import phases_notes, plan_phases
+
+    groups = _sized_groups(12, 3)
+    small_alone = plan_memory([c for g in groups[:12] for c in g], "cuda", None, 3)
+    budget = MemoryBudget(small_alone.estimate + 64 * MIB, "cuda:0", "a budget", 80 * GIB)
+    assert plan_memory([c for g in groups for c in g], "cuda", budget, 3, refuse=False).fewer  # together: cut
+    phases = plan_phases(groups, "cuda", budget, 3)
+    assert len(phases) >= 2
+    assert sorted(i for chosen, _ in phases for i in chosen) == list(range(15))  # each point once
+    (first, first_plan), (last, last_plan) = phases[0], phases[-1]
+    assert set(range(12)) <= set(first) and first_plan.workers == {"local": 3, "sdpa": 3} and not first_plan.fewer
+    assert set(range(12, 15)) >= set(last) and sum(last_plan.workers.values()) < 6
+    for _, plan in phases:
+        assert plan.estimate <= budget.bytes or plan.serial
+        assert plan.groups == len(_)
+    (note, *_) = phases_notes([plan for _, plan in phases])
+    assert f"{len(phases)} phases by size" in note and "12 on local 3, sdpa 3" in note and "a budget" in note
+
+
+def test_one_phase_where_everything_fits_where_there_is_no_budget_and_for_depth_stacks():
+    from attn_doctor.execution.memory_plan import phases_notes, plan_phases
+
+    groups = _sized_groups(12, 3)
+    ((chosen, plan),) = plan_phases(groups, "cuda", _gpu(500), 3)
+    assert chosen == list(range(15)) and plan.workers == {"local": 3, "sdpa": 3} and plan.groups == 0
+    assert phases_notes([plan]) == []
+    assert len(plan_phases(groups, "cuda", None, 3)) == 1
+    case = make_case(seq=4096)
+    depth = [plan_depth(case, select(["sdpa.math"]), [2], [1]), plan_depth(make_case(seq=256), select(["sdpa.math"]),
+                                                                         [2], [1])]
+    one_each = plan_memory([c for g in depth for c in g], "cuda", None, 1)
+    assert len(plan_phases(depth, "cuda", MemoryBudget(one_each.estimate, "cuda:0", "b", 80 * GIB), 3)) == 1
+
+
+def test_a_session_in_phases_closes_the_workers_the_later_plan_does_not_count_and_judges_every_point(recorded):
+    from attn_doctor.execution.memory_plan import plan_phases
+
+    groups = _sized_groups(12, 3)
+    small_alone = plan_memory([c for g in groups[:12] for c in g], "cuda", None, 3)
+    budget = MemoryBudget(small_alone.estimate + 64 * MIB, "cuda:0", "a budget", 80 * GIB)
+    expected = plan_phases(groups, "cuda", budget, 3)
+    with recorded.Session("cuda", budget=budget, workers_per_family=3) as session:
+        judged = session.run_groups(groups)
+        plans = session.plans
+    assert [plan.workers for plan in plans] == [plan.workers for _, plan in expected]
+    assert all(len(rows) == len(group) for rows, group in zip(judged, groups))
+    assert _RecordingWorker.closed  # the first phase's surplus workers, before the large points ran
+    large = {groups[i][0].case.key() for i in expected[-1][0]}
+    caps = {job["memory_cap"] for job in _RecordingWorker.jobs
+            if job["coords"]["backend"]["name"] == "sdpa.math" and
+            make_case(**{k: v for k, v in job["coords"]["case"].items() if k in ("seq", "seed")}).key() in large}
+    assert caps == {expected[-1][1].worker_caps["sdpa"]}  # the large points ran on their own phase's caps

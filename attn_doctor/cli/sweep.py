@@ -33,8 +33,9 @@ from attn_doctor.core.layouts import canonical_layouts
               help="Run only the I-th of N deterministic slices of the grid's points (1 <= I <= N), e.g. 2/4 for "
                    "one task of a SLURM array or CI matrix; `attn-doctor report DIR1 DIR2 ...` merges them.")
 @click.option("--workers", type=WORKERS, default=None,
-              help="Worker processes per backend family, each taking whole points  [default: 2 on a GPU, "
-                   "1 on the CPU; not with --layers: a depth sweep runs one worker at a time]")
+              help="Worker processes per backend family, each taking whole points  [default: on a GPU the "
+                   "CPU's cores shared among the families by their probes, at least 2 each; 1 on the CPU; not with "
+                   "--layers: a depth sweep runs one worker at a time]")
 @repeats_option
 @click.pass_obj
 def sweep(app: Application, backends, kernels, cudnn, layouts, device, max_memory, timeout, resume, out_dir, shard,

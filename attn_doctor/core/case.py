@@ -181,8 +181,13 @@ class Case:
         return sizes[code[0]], sizes[code[1]], self.seq if code[2] == "s" else 1, self.seq_kv
 
     def key(self) -> tuple:
-        """Identity of the inputs: cases with equal keys get bitwise-equal q, k, v, dout."""
-        return dataclasses.astuple(self)
+        """Identity of the inputs: cases with equal keys get bitwise-equal q, k, v, dout. Kept once made (the case
+        is frozen): a sweep's planning asks for it per probe, and `astuple` copies every field."""
+        made = self.__dict__.get("_key")
+        if made is None:
+            made = dataclasses.astuple(self)
+            object.__setattr__(self, "_key", made)
+        return made
 
     def plain(self) -> dict[str, Any]:
         """Every field as a plain value, the softmax scale resolved, with what follows from the fields (each

@@ -31,12 +31,14 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from attn_doctor import backends
 from attn_doctor.core.case import DTYPE_BYTES, Case, tp_shard
 from attn_doctor.core.coords import Coords, ProbeKind
 from attn_doctor.core.errors import BadInput
 from attn_doctor.execution.budget import MIB, MemoryBudget, size
+from attn_doctor.execution.concurrency import default_workers
 from attn_doctor.numerics.metrics import CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS
 
 # Each process's fixed part: on a GPU, what NVML shows for it beyond torch's reserved memory (CUDA context,
@@ -174,6 +176,7 @@ class MemoryPlan:
     # What the parent's allocator reserved at its peak while the plan ran (the float64 references), measured on a
     # GPU by the session (None before, and on the CPU): with each row's "allocator_peak_bytes", the plan checked
     parent_peak: int | None = None
+    groups: int = 0  # the groups (sweep points) run on this plan, where a request ran in phases (`plan_phases`)
 
     def alone_cap(self, key: str, kept: int = 0) -> int | None:
         """The cap of a worker of process `key` running alone (every other worker closed; the parent keeping `kept`
@@ -187,7 +190,8 @@ class MemoryPlan:
                 "parts": dict(self.parts), "workers": dict(self.workers), "serial": self.serial,
                 "live_references": self.live_references, "parent_cap": self.parent_cap,
                 "worker_caps": dict(self.worker_caps), "needs": dict(self.needs), "fixed": dict(self.fixed),
-                "device": self.device, "fewer": self.fewer, "parent_allocator_peak_bytes": self.parent_peak}
+                "device": self.device, "fewer": self.fewer, "parent_allocator_peak_bytes": self.parent_peak,
+                **({"groups": self.groups} if self.groups else {})}
 
 
 @dataclass
@@ -200,6 +204,7 @@ class _Demand:
     units: dict[str, int]
     references: list[tuple[int, int]]  # (kept, scratch) per distinct reference
     depth: bool
+    probes: dict[str, int] = field(default_factory=dict)  # process key -> its probes
 
 
 def _demand(coords_list: list[Coords], device: str, repeats: int) -> _Demand:
@@ -216,13 +221,15 @@ def _demand(coords_list: list[Coords], device: str, repeats: int) -> _Demand:
     needs: dict[str, int] = {}
     names: dict[str, str] = {}
     units: dict[str, int] = defaultdict(int)
+    probes: dict[str, int] = defaultdict(int)
     for (key, _), unit in per_unit.items():
         units[key] += 1
+        probes[key] += len(unit)
         need, name = max((probe_need(c, device, repeats, len(unit)), c.backend.name) for c in unit)
         if need > needs.get(key, -1):
             needs[key], names[key] = need, name
     return _Demand(needs, names, families, dict(units), list(references.values()),
-                   any(c.kind is ProbeKind.DEPTH for c in coords_list))
+                   any(c.kind is ProbeKind.DEPTH for c in coords_list), dict(probes))
 
 
 def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -> tuple[int, dict[str, int], int]:
@@ -264,22 +271,35 @@ def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -
     return total, dict(sorted(parts.items(), key=lambda item: -item[1])), live
 
 
-def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | None, workers_per_family: int = 1,
-                repeats: int = 1, refuse: bool = True) -> MemoryPlan:
+def _asked(demand: _Demand, device: str, workers_per_family: int | dict[str, int] | None) -> dict[str, int]:
+    """Workers per process key asked for, at most one per unit."""
+    if workers_per_family is None:
+        return default_workers(demand.probes, demand.units, device)
+    per_key = workers_per_family if isinstance(workers_per_family, dict) else {}
+    return {key: max(1, min(per_key.get(key, workers_per_family if isinstance(workers_per_family, int) else 1),
+                            demand.units[key])) for key in demand.needs}
+
+
+def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | None,
+                workers_per_family: int | dict[str, int] | None = 1, repeats: int = 1, refuse: bool = True
+                ) -> MemoryPlan:
     """The plan for running `coords_list` (the probes that will run) within `budget`: as many of the asked workers
-    per family as fit, else families taking turns; BadInput when even that does not fit (see the module). With
+    per family as fit (None asked: `concurrency.default_workers`' share of the cores; a dict: per process key),
+    else families taking turns; BadInput when even that does not fit (see the module). With
     `refuse` False the smallest plan is returned all the same: a session's later groups (a bisect's steps, one of
     which may try a wider dtype than the start it was planned on) run, and what does not fit is TOO-BIG."""
     demand = _demand(coords_list, device, repeats)
-    asked = {key: max(1, min(workers_per_family, demand.units[key])) for key in demand.needs}
+    asked = _asked(demand, device, workers_per_family)
     serial = demand.depth  # one float64 stack at a time, by design
     workers = {key: 1 for key in asked} if serial else dict(asked)
     total, parts, live = _peak(demand, device, workers, serial)
     fewer = ""
     if budget is not None and not serial:
+        # The family with the most workers gives one up first, so that the families keep pace (one cut to a single
+        # worker beside another's seven would be the sweep's tail); of equals, the one whose worker costs more.
         while total > budget.bytes and any(count > 1 for count in workers.values()):
             key = max((k for k, c in workers.items() if c > 1),
-                      key=lambda k: process_bytes(demand.families[k], device) + demand.needs[k])
+                      key=lambda k: (workers[k], process_bytes(demand.families[k], device) + demand.needs[k]))
             workers[key] -= 1
             total, parts, live = _peak(demand, device, workers, serial)
         if total > budget.bytes:
@@ -302,6 +322,89 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
         parent_cap=parent_need + spare * parent_need // needs_sum,
         worker_caps={key: demand.needs[key] + spare * demand.needs[key] // needs_sum for key in workers},
         estimate=total, needs=dict(demand.needs), parts=parts, fixed=fixed, fewer=fewer)
+
+
+# -- phases: the small points side by side, then the large --
+
+def group_need(coords: list[Coords], device: str, repeats: int = 1) -> int:
+    """A group's (a sweep point's) size, for ordering: its largest probe's need and its reference kept."""
+    return (max(probe_need(c, device, repeats, len(coords)) for c in coords)
+            + max(reference_need(c, device)[0] for c in coords))
+
+
+def plan_phases(groups: list[list[Coords]], device: str, budget: MemoryBudget | None,
+                workers_per_family: int | None = 1, repeats: int = 1) -> list[tuple[list[int], MemoryPlan]]:
+    """The groups to run (indices into `groups`, the probes that will run of each) in phases, each on a plan of its
+    own: where all of them together do not fit side by side as asked, the longest run of the smallest groups that
+    does comes first, then of the rest the longest run that fits half those workers, and so on; the last phase runs
+    on whatever fits (fewer workers, or families taking turns).
+
+    A plan is made for its largest probe: every worker is held to that probe's share and the parent keeps as many
+    of the largest references as there are workers. A sweep's points differ in size by orders (TE's test matrix: a
+    median float64 reference of 0.22 GiB, the largest 4.0 GiB), so planned together a few large points would cut
+    the workers of every point (TE's matrix on an 80 GB card: two TE workers for all 619 points). A phase ends when
+    its last group does, so phases are few: the workers halve from one to the next. A depth run is one phase: its
+    stacks take turns by design."""
+    indices = [i for i, coords in enumerate(groups) if coords]
+
+    def plan_of(chosen: list[int], workers: int | dict[str, int] | None) -> MemoryPlan:
+        return plan_memory([c for i in chosen for c in groups[i]], device, budget, workers, repeats, refuse=False)
+
+    whole = plan_of(indices, workers_per_family)
+    if budget is None or not whole.fewer or len(indices) < 2 or any(
+            c.kind is ProbeKind.DEPTH for i in indices for c in groups[i]):
+        return [(indices, whole)]
+    asked = _asked(_demand([c for i in indices for c in groups[i]], device, repeats), device, workers_per_family)
+    rest = sorted(indices, key=lambda i: group_need(groups[i], device, repeats))
+    phases: list[tuple[list[int], MemoryPlan]] = []
+    while rest:
+        last = plan_of(rest, asked)
+        if not last.fewer or all(count == 1 for count in asked.values()):
+            phases.append((rest, last))
+            break
+        fits, fitting = _longest_fitting(rest, lambda run: plan_of(run, asked))
+        if fitting is not None:
+            phases.append((rest[:fits], fitting))
+            rest = rest[fits:]
+        asked = {key: (count + 1) // 2 for key, count in asked.items()}
+    if len(phases) > 1:
+        for chosen, plan in phases:
+            plan.groups = len(chosen)
+    return [(sorted(chosen), plan) for chosen, plan in phases]
+
+
+def _longest_fitting(order: list[int], plan_of: Callable[[list[int]], MemoryPlan]) -> tuple[int, MemoryPlan | None]:
+    """The longest prefix of `order` whose plan runs every worker asked (bisected: a longer run needs no less), and
+    its plan; (0, None) when not even the first group's does."""
+    fits, fitting = 0, None
+    low, high = 0, len(order) + 1  # order[:high] does not fit
+    while high - low > 1:
+        middle = (low + high) // 2
+        plan = plan_of(order[:middle])
+        if plan.fewer:
+            high = middle
+        else:
+            low, fits, fitting = middle, middle, plan
+    return fits, fitting
+
+
+def phases_document(plans: list[MemoryPlan]) -> dict:
+    """The results document's "memory": the (first) plan's, and with phases each one's."""
+    if not plans:
+        return {}
+    return {**plans[0].to_dict(), **({"phases": [plan.to_dict() for plan in plans]} if len(plans) > 1 else {})}
+
+
+def phases_notes(plans: list[MemoryPlan]) -> list[str]:
+    """What ran with less than asked, for the report's notes: the phases (how many points, on how many workers), and
+    what the last plan ran with less than asked and why."""
+    if len(plans) < 2:
+        return [plan.fewer for plan in plans if plan.fewer]
+    steps = "; then ".join(f"{plan.groups} on {', '.join(f'{key} {count}' for key, count in plan.workers.items())}"
+                           + (" (families taking turns)" if plan.serial else "") for plan in plans)
+    notes = [f"the points ran in {len(plans)} phases by size, the workers at once fewer for the larger ones "
+             f"(within {plans[0].budget.source if plans[0].budget else 'the budget'}): {steps}"]
+    return notes + [plans[-1].fewer] if plans[-1].fewer else notes
 
 
 # -- the refusal: what would fit --

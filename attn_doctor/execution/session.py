@@ -1,6 +1,7 @@
 """Running probes: coordinates in, judged rows out, on worker processes kept across groups of probes.
 
-One pool of workers per backend family (`workers_per_family` each: a sweep may ask for more than one).
+One pool of workers per backend family (`workers_per_family` each: a sweep may ask for more than one; None: the
+cores shared among the families, `attn_doctor.execution.concurrency`).
 Families, and the workers of a family, run concurrently; a family's probes go to its workers one (group,
 case) at a time, so a worker builds each case's inputs and maps its shared reference once. Each case's float64
 reference (a depth stack's too) is computed once, here in the parent, and mapped by the workers
@@ -32,7 +33,7 @@ from attn_doctor.backends import BASELINE, BackendSpec, process_of
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import first_line
 from attn_doctor.execution.budget import MemoryBudget, size
-from attn_doctor.execution.memory_plan import MemoryPlan, plan_memory, probe_need
+from attn_doctor.execution.memory_plan import MemoryPlan, plan_phases, probe_need
 from attn_doctor.execution.pool import Worker
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.numerics.metrics import TensorMetrics
@@ -157,17 +158,18 @@ class _Batch:
 class Session:
     """Worker processes kept across groups of probes (a sweep's points, a bisect's steps)."""
 
-    def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int = 1,
+    def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int | None = 1,
                  progress: ProgressSink | None = None, repeats: int = 1, budget: MemoryBudget | None = None):
         from attn_doctor.execution.shared_reference import ReferenceStore
 
         self.device = device
         self.timeout_s = timeout_s
-        self.workers_per_family = max(1, workers_per_family)
+        self.workers_per_family = None if workers_per_family is None else max(1, workers_per_family)
         self.repeats = repeats  # runs of each CALL probe (--repeats); the other kinds run once
         self.progress = progress or ProgressSink()
         self.budget = budget  # for all processes together (None: not known here, nothing held to it)
-        self.plan: MemoryPlan | None = None  # the last `run_groups`' plan
+        self.plans: list[MemoryPlan] = []  # the last `run_groups`' plans, one per phase
+        self._phase_plan: MemoryPlan | None = None  # the plan of the phase running now
         self.workers: dict[str, list[Worker]] = {}
         self.references = ReferenceStore(device, on_progress=self.progress.note)
 
@@ -213,15 +215,53 @@ class Session:
         callbacks run one at a time. Returns each group's judged rows, in order."""
         batch = _Batch(groups, on_row, on_group)
         units = self._assign(batch)
-        runnable = [batch.groups[group][i] for family_units in units.values() for group, indices in family_units
-                    for i in indices]
-        # refused up front by the command where it had to be (its largest request); here whatever fits least runs
-        plan = self.plan = plan_memory(runnable, self.device, self.budget, self.workers_per_family, self.repeats,
-                                       refuse=False)
+        runnable = [[] for _ in groups]
+        for family_units in units.values():
+            for group, indices in family_units:
+                runnable[group] += [groups[group][i] for i in indices]
+        # refused up front by the command where it had to be (its largest request); here whatever fits least runs,
+        # the small groups first where the large ones would cut the workers of all (`plan_phases`)
+        phases = plan_phases(runnable, self.device, self.budget, self.workers_per_family, self.repeats)
+        self.plans = [plan for _, plan in phases]
+        for number, (chosen, plan) in enumerate(phases):
+            if batch.failure is not None or batch.stopped.is_set():
+                break
+            members = set(chosen)
+            phase_units = {process: [unit for unit in family_units if unit[0] in members]
+                           for process, family_units in units.items()}
+            self._run_phase(batch, {p: u for p, u in phase_units.items() if u}, plan, closing=number > 0)
+        if batch.deferred and batch.failure is None:
+            self._wait(batch, [lambda: self._retry_alone(batch)])
+        if batch.failure is not None:
+            raise batch.failure
+        if self.device.startswith("cuda"):
+            import torch
+
+            peak = torch.cuda.max_memory_reserved(torch.device(self.device))
+            for plan in self.plans:
+                plan.parent_peak = peak
+        return [rows if rows is not None else [] for rows in batch.judged]
+
+    @property
+    def plan(self) -> MemoryPlan | None:
+        """The plan of the last `run_groups`' first phase (most of its groups), None before any."""
+        return self.plans[0] if self.plans else None
+
+    def _run_phase(self, batch: _Batch, units: dict[str, list[tuple[int, list[int]]]], plan: MemoryPlan,
+                   closing: bool) -> None:
+        """Serve `units` on `plan`: its workers started, its caps held. `closing`: a later phase of one request,
+        whose plan counts fewer workers than are running: the others are closed (they hold memory it does not
+        count)."""
+        self._phase_plan = plan
         self.references.max_live = plan.live_references
         self._hold_parent(plan)
         starting = {process: min(plan.workers.get(process, 1), len(family_units))
                     for process, family_units in units.items()}
+        if closing:
+            for process, pool in self.workers.items():
+                for worker in pool[starting.get(process, 0):]:
+                    worker.close()
+                del pool[starting.get(process, 0):]
         threads = cpu_threads(self.device, sum(starting.values()))
         for process, family_units in units.items():
             pool = self.workers.setdefault(process, [])
@@ -232,15 +272,6 @@ class Session:
             self._wait(batch, [lambda: self._serve_in_turn(batch, units)])
         else:
             self._wait(batch, [lambda f=f: self._serve_family(batch, units[f], starting[f], f) for f in units])
-        if batch.deferred and batch.failure is None:
-            self._wait(batch, [lambda: self._retry_alone(batch)])
-        if batch.failure is not None:
-            raise batch.failure
-        if self.device.startswith("cuda"):
-            import torch
-
-            plan.parent_peak = torch.cuda.max_memory_reserved(torch.device(self.device))
-        return [rows if rows is not None else [] for rows in batch.judged]
 
     def _hold_parent(self, plan: MemoryPlan) -> None:
         """Hold this process's allocator (the float64 references) to its share of the budget."""
@@ -292,7 +323,7 @@ class Session:
             # family's turn finds the memory free (a worker that measured a long case would otherwise keep it all)
             message = {"op": "run", "coords": coords.to_dict(), "reference": reference,
                        "repeats": repeats_of(coords, self.repeats), "memory_cap": room,
-                       "release": bool(self.plan and self.plan.serial)}
+                       "release": bool(self._phase_plan and self._phase_plan.serial)}
             starting.join()
             reply = worker.request(message, on_progress=lambda text: self.progress.note(f"{spec.name}: {text}"))
         finally:
@@ -308,7 +339,7 @@ class Session:
     def _room(self, key: str, alone: bool) -> int | None:
         """The allocator cap of a worker of process `key` for its next job: its share of the plan, or alone the
         whole budget less the processes' fixed parts and the references kept. None: no cap."""
-        plan = self.plan
+        plan = self._phase_plan
         if plan is None or plan.budget is None or not self.device.startswith("cuda"):
             return None
         if alone:
@@ -318,7 +349,7 @@ class Session:
     def _too_big(self, coords: Coords, key: str, reply: dict) -> Row:
         """The row of a probe that ran out of memory alone, with about what it needs: the plan's estimate of it, or
         what its worker held when it failed and the allocation that failed, if more."""
-        plan = self.plan
+        plan = self._phase_plan
         fixed = plan.fixed.get("parent", 0) + plan.fixed.get(key, 0) if plan else 0
         planned = probe_need(coords, self.device, repeats_of(coords, self.repeats))
         held = int(reply.get("reserved", 0)) + int(reply.get("tried", 0))

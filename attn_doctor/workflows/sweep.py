@@ -34,7 +34,7 @@ class SweepRequest:
     resume: bool = False
     depths: list[int] | None = None
     degrees: list[int] | None = None
-    workers: int | None = None  # per backend family; None: 2 on a GPU, 1 on the CPU
+    workers: int | None = None  # per backend family; None: the cores shared out on a GPU, 1 on the CPU
     timeout_s: float = 300.0
     command: str = "attn-doctor sweep"
     layouts_given: bool = False  # --layout was given (it does not apply to TP shards and depth stacks)
@@ -55,10 +55,9 @@ class SweepPlan:
     memory: object = None  # the MemoryPlan its points fit (None: nothing to run)
 
     @property
-    def workers(self) -> int:
-        if self.request.workers is not None:
-            return self.request.workers
-        return 2 if self.request.device.startswith("cuda") else 1
+    def workers(self) -> int | None:
+        """Workers per family asked for; None: `execution.concurrency.default_workers` decides per family."""
+        return self.request.workers
 
 
 def check_resumable(directory: Path, done_rows: list[Row], points: list[Point], specs: list[BackendSpec]) -> None:
@@ -138,6 +137,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     """Run the points still to do, streaming each finished one; the results document of every point.
 
     On Ctrl-C the finished points stay in results.jsonl (resumable), and no results.json is written."""
+    from attn_doctor.execution.memory_plan import phases_document, phases_notes
     from attn_doctor.execution.session import Session
     from attn_doctor.workflows.run import make_report, profile
 
@@ -159,13 +159,12 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
         for point_rows in session.run_groups(groups, on_row=lambda row: progress.advance(1), on_group=point_done):
             rows.extend(point_rows)
         facts, startup, reference_s = session.facts, session.startup_seconds, session.references.seconds
-        memory = session.plan or plan.memory
+        plans = session.plans or ([plan.memory] if plan.memory is not None else [])
     probes_s = time.perf_counter() - start
     progress.end()
-    fewer = [memory.fewer] if memory is not None and memory.fewer else []
     report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged,
-                         notes=fewer)
-    report.memory = memory.to_dict() if memory is not None else {}
+                         notes=phases_notes(plans))
+    report.memory = phases_document(plans)
     # This run's wall time and pace (points already done by an earlier run are not counted), and where the time
     # went (`workflows.run.profile`: each family's slowest worker start, the parent's references, the probes).
     wall = time.perf_counter() - start

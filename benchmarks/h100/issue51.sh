@@ -4,7 +4,7 @@
 #   bash benchmarks/h100/issue51.sh PHASE DEST     (DEST: $OUT; gets PHASE.tgz)
 # cold-new   env, then te-coverage from a cold start on this tree (the first sweep this machine runs)
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree, then this tree profiled
-# tests      te-tests cold on this tree, every path but te.flash (FlashAttention 4 compiles per shape)
+# tests      te-tests cold on this tree, every path (te.flash: FlashAttention not installed yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
 set -uo pipefail
 phase=$1 dest=$2
@@ -12,7 +12,8 @@ root=$PWD
 out=/tmp/issue51/$phase  # everything here; DEST gets one archive of it ($OUT brings back few files)
 mkdir -p "$out" "$dest"
 cold=(bash "$root/benchmarks/h100/cold-sweep.sh" "$out")
-workers=(--workers "${WORKERS:-3}")
+workers=()  # each tree's own default, unless WORKERS=N
+[ -n "${WORKERS:-}" ] && workers=(--workers "$WORKERS")
 case "$phase" in
   cold-new)
     PYTHONPATH=$root python3 -m attn_doctor env > "$out/env.txt" 2>&1
@@ -25,10 +26,12 @@ case "$phase" in
     "${cold[@]}" coverage-new "$root" --recipe te-coverage "${workers[@]}"
     PROFILE=1 "${cold[@]}" coverage-new-profiled "$root" --recipe te-coverage "${workers[@]}" ;;
   tests)
-    "${cold[@]}" te-tests "$root" --recipe te-tests "${workers[@]}" --backend te.fused --backend te.fused.det \
-        --backend te.unfused --backend sdpa --backend local ;;
+    DUMP_AT="${DUMP_AT:-240 420}" bash "$root/benchmarks/h100/monitor.sh" "$out" 10 &
+    monitor=$!
+    LIMIT=${LIMIT:-500} "${cold[@]}" te-tests "$root" --recipe te-tests "${workers[@]}"
+    kill "$monitor" 2>/dev/null ;;
   fa4)
-    "${cold[@]}" te-tests-fa4 "$root" --recipe te-tests --family fa4_base,fa4_mla,fa4_swa,fa4_varlen,fa4_mask \
+    LIMIT=${LIMIT:-420} "${cold[@]}" te-tests-fa4 "$root" --recipe te-tests --family fa4_base,fa4_mla,fa4_swa,fa4_varlen,fa4_mask \
         "${workers[@]}" --backend te.flash --backend local ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -1,0 +1,39 @@
+"""How many worker processes each backend family gets when the user does not say (`sweep --workers`).
+
+On a GPU a probe's time is mostly the CPU's, not the card's: the first call of a configuration on a cuDNN path
+builds and compiles its graph at run time (on the H100 with TE 2.20.2 a te.fused probe took 0.86 s on average over
+TE's test matrix, a te.fused.det one 0.45 s and an sdpa.cudnn one 0.41 s, where the median probe took 11 ms:
+reports/h100/issue51/te-tests-partial), and a compile runs on one core of the process that needs it. So a sweep goes
+as fast as the processes it runs at once, up to the machine's cores, and the card's memory is what limits them
+(`memory_plan.plan_memory` runs fewer where they do not fit). The cores are shared among the families in
+proportion to their probes, each family at least `FLOOR` workers (the former fixed default) where it has that many
+units, at most one per unit. On the CPU every process computes with all the cores it is given
+(`session.cpu_threads` shares them out), so one worker per family.
+"""
+
+from __future__ import annotations
+
+import os
+
+FLOOR = 2  # workers per family on a GPU, at least (where it has that many units)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a batch job's share), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_workers(probes: dict[str, int], units: dict[str, int], device: str, cores: int | None = None
+                    ) -> dict[str, int]:
+    """Workers per process key (`backends.process_of`) when --workers is not given: `probes` and `units` (the
+    (point, case) pieces a worker takes whole) per key. On a GPU the cores less the parent's, shared in proportion
+    to the probes, at least FLOOR and at most the units; on the CPU one each."""
+    if not device.startswith("cuda"):
+        return {key: 1 for key in probes}
+    slots = max(1, (cores or cpu_cores()) - 1)  # the parent computes the float64 references and judges
+    total = sum(probes.values()) or 1
+    return {key: max(1, min(units.get(key, 1), max(FLOOR, round(slots * count / total))))
+            for key, count in probes.items()}
