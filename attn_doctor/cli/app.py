@@ -155,6 +155,10 @@ class DoctorGroup(click.Group):
         _terminated[0] = False
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             previous = signal.signal(signal.SIGTERM, _terminate)
+            if hasattr(signal, "SIGUSR1"):  # every thread's stack to stderr: where a run that stopped advancing waits
+                import faulthandler
+
+                faulthandler.register(signal.SIGUSR1, all_threads=True)
         try:
             with printable_standard_streams():  # a terminal that cannot print Unicode gets ASCII, not a traceback
                 self._main(app, args, prog_name, complete_var, **extra)

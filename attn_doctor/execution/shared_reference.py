@@ -12,6 +12,14 @@ handle it receives, also when it already has the case (torch then gives the coun
 keeps the tensors alive until the last job of the case has finished. Where sharing fails, the handle is
 None and the worker computes the reference itself, as it would without a parent.
 
+Threads: the session's serving threads all ask for references, but only one of them at a time works with torch
+on the GPU here (`_gpu`: computing, exporting, freeing a reference, giving cached memory back). Sweeps with
+several workers per family stopped for good on an H100 with every thread free to do so (issue 51: GPU idle,
+every worker waiting for a job, at 1,455 of 1,899 probes), the circular wait between the GIL and a lock inside
+torch's allocator or its CUDA IPC bookkeeping that torch has met before (pytorch#97833, pytorch#39541): a thread
+that holds such a lock and waits for the GIL, beside one that holds the GIL and waits for the lock. One thread at a
+time in those paths leaves no second thread to close the circle.
+
 Memory (`attn_doctor.execution.budget`): references are computed one at a time, and at most `max_live` are kept at
 once: a job that would open another waits until an older one's last job has finished. That bounds what the parent
 holds when families run at different speeds (the fastest would otherwise open case after case). It cannot wait
@@ -46,7 +54,9 @@ class ReferenceStore:
         self.failure: str | None = None  # the last reason sharing fell back to the workers
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # told when a kept reference is freed
-        self._computing = threading.Lock()  # one computation at a time: its scratch is counted once
+        # one thread at a time with torch on the GPU (see the module), so one computation at a time: its scratch is
+        # counted once
+        self._gpu = threading.RLock()
         self._live = 0  # references computed and not yet freed
         self._closed = False
         self._entries: dict[tuple, _Entry] = {}
@@ -67,13 +77,14 @@ class ReferenceStore:
             if not entry.ready:
                 self._admit()
                 entry.live = True
-                with self._computing:
+                with self._gpu:
                     entry.tensors = self._compute_timed(case, layers)
                 entry.ready = True
             if entry.tensors is None:
                 return None
             try:
-                return export_tensors(entry.tensors)
+                with self._gpu:
+                    return export_tensors(entry.tensors)
             except Exception as exc:  # noqa: BLE001 - no shared memory, no IPC: this job's worker computes it
                 self.failure = first_line(exc)
                 return None
@@ -92,8 +103,9 @@ class ReferenceStore:
             if entry.live:
                 self._live -= 1
                 self._room.notify_all()
-        entry.tensors = None
-        self._release_cached_memory()
+        with self._gpu:
+            entry.tensors = None  # frees the tensors (and their CUDA IPC records) here, under the lock
+            self._release_cached_memory()
 
     def kept_bytes(self) -> int:
         """Bytes of the references kept now."""

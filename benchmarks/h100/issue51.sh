@@ -20,7 +20,10 @@ case "$phase" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
     python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'transformer-engine', \
 'flash-attn-4', 'nvidia-cudnn-cu13')})" > "$out/versions.txt" 2>&1
-    "${cold[@]}" coverage-new-cold "$root" --recipe te-coverage "${workers[@]}" ;;
+    DUMP_AT="${DUMP_AT:-60 120}" bash "$root/benchmarks/h100/monitor.sh" "$out" 10 &
+    monitor=$!
+    LIMIT=${LIMIT:-170} "${cold[@]}" coverage-new-cold "$root" --recipe te-coverage "${workers[@]}"
+    kill "$monitor" 2>/dev/null ;;
   speed)
     "${cold[@]}" coverage-base "$root/.device-base" --recipe te-coverage "${workers[@]}"
     "${cold[@]}" coverage-new "$root" --recipe te-coverage "${workers[@]}"

@@ -22,6 +22,10 @@ while :; do
         kill -USR1 "$pid" 2>/dev/null; sleep 1
         tail -c 20000 "/proc/$pid/fd/2" > "$dir/stacks-$t-$pid.txt" 2>/dev/null
       done
+      # the command itself (its serving threads): its stderr is the sweep's log, where the stacks land
+      for pid in $(ps -eo pid,etimes,args | awk '/-m attn_doctor (sweep|run)/ && !/awk|timeout/ && $2 > 5 {print $1}'); do
+        kill -USR1 "$pid" 2>/dev/null
+      done
     fi
   done
   sleep "$period"

@@ -55,10 +55,22 @@ if ls fa.* > /dev/null 2>&1; then  # FA4's pieces were carried too (a lease may 
     rm -f "$here/fa/part0"
 fi
 SH
-chmod +x "$last/install.sh"
+cat > "$last/install-fa.sh" <<'SH'
+#!/usr/bin/env bash
+# Runs ON the GPU machine after install.sh installed TE alone: joins FA4's pieces (carried since) and installs FA4.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cd /tmp/stage
+cat fa.* > "$here/fa/part0" && rm -f fa.*
+bash "$here/fa/install-fa4.sh"
+rm -f "$here/fa/part0"
+SH
+chmod +x "$last/install.sh" "$last/install-fa.sh"
 echo "Staged $n pieces in .device-lease. Device calls, back to back:"
 for dir in .device-lease/[0-9]*; do
     echo "  command: mkdir -p /tmp/stage && cp $dir/* /tmp/stage/      carry: [\"$dir\"]"
 done
 echo "  command: bash $last/install.sh && <your GPU command>     carry: [\"$last\"]"
+echo "  (TE first, FA4 later: carry only the te pieces before install.sh, then the fa pieces, then"
+echo "   bash $last/install-fa.sh && <your GPU command>)"
 du -sh .device-lease/* | sed 's/^/  /'
