@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,83 @@ def test_a_family_running_ahead_waits_for_room_among_the_kept_references():
     store.done(first)
     assert opened.wait(5)
     store.clear()
+
+
+def test_references_are_admitted_in_the_order_the_session_serves_their_cases():
+    """A later case never takes a place before an earlier one: the earlier one's family, lagging, would wait for a
+    place that only its own progress frees."""
+    from attn_doctor.execution.shared_reference import ReferenceStore
+
+    store = ReferenceStore("cpu", max_live=2)
+    store._compute = lambda case, layers: (torch.zeros(4),)  # noqa: SLF001 - the computation is not the point
+    first, second = make_case(seed=1), make_case(seed=2)
+    for case in (first, second):
+        store.expect(case)
+    store.admit_in([(first, None), (second, None)])
+    opened = threading.Event()
+    threading.Thread(target=lambda: (store.handle(second), opened.set()), daemon=True).start()
+    assert not opened.wait(0.6)  # room for two, but the first's turn comes first
+    store.handle(first)
+    assert opened.wait(5)
+    store.done(first)
+    again = make_case(seed=1)  # a probe retried alone: its case again, its turn gone by
+    store.expect(again)
+    reopened = threading.Event()
+    threading.Thread(target=lambda: (store.handle(again), reopened.set()), daemon=True).start()
+    assert reopened.wait(5)  # admitted by room alone
+    store.clear()
+
+
+@pytest.mark.parametrize("layouts", [["contiguous"], []])
+def test_many_workers_per_family_never_wait_forever_for_a_place_among_the_kept_references(layouts, monkeypatch):
+    """Twelve threads of one family, three of a slower one, fifteen references kept at most, some probes out of
+    memory (retried alone at the end): every group finishes. Admitted in whatever order the threads asked, this
+    stopped for good within seconds in four runs of five (issue 51's H100 sweeps)."""
+    import random
+
+    from attn_doctor.execution import concurrency, session as session_module
+    from attn_doctor.execution.shared_reference import ReferenceStore
+
+    class _Worker:
+        def __init__(self, family, device, timeout_s, environment=None):
+            self.family, self.hello, self.startup_seconds, self.environment = family, {}, 0.0, environment or {}
+
+        def ensure_started(self):
+            return None
+
+        def request(self, job, on_progress=None):
+            time.sleep(random.random() * (0.004 if self.family == "local" else 0.001))
+            coords = job["coords"]
+            if coords["backend"]["name"] == "sdpa.math" and coords["case"]["seed"] % 9 == 5 and \
+                    job["memory_cap"] != "alone":
+                return {"status": "oom", "reason": "OutOfMemoryError: CUDA out of memory", "tried": 0, "reserved": 0}
+            return {"status": "skip", "reason": "stand-in"}
+
+        def close(self, graceful=True):
+            return None
+
+    monkeypatch.setattr(session_module, "Worker", _Worker)
+    monkeypatch.setattr(session_module.Session, "_hold_parent", lambda self, plan: None)
+    monkeypatch.setattr(session_module.Session, "_room", lambda self, key, alone: "alone" if alone else None)
+    monkeypatch.setattr(concurrency, "cpu_cores", lambda: 16)
+    monkeypatch.setattr(ReferenceStore, "_compute", lambda self, case, layers: (torch.zeros(1),))
+    monkeypatch.setattr(ReferenceStore, "_release_cached_memory", lambda self: None)
+    from attn_doctor.execution import shared_reference
+
+    monkeypatch.setattr(shared_reference, "export_tensors", lambda tensors: "a handle")
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 0)
+    cases = [make_case(seq=256, seed=seed) for seed in range(1, 120)]
+    groups = [point.coords(select(["sdpa", "local"])) for point in plan_points(cases, layouts)]
+    finished: list = []
+    with session_module.Session("cuda", workers_per_family=None, budget=_gpu(75)) as session:
+        runner = threading.Thread(target=lambda: finished.append(session.run_groups(groups)), daemon=True)
+        runner.start()
+        runner.join(60)
+        assert finished, (f"stopped: {session.references._live} references kept of "  # noqa: SLF001
+                          f"{session.references.max_live}, workers {session.plan.workers}")
+        assert session.plan.workers == {"sdpa": 12, "local": 3}
+    (judged,) = finished
+    assert all(len(rows) == len(group) for rows, group in zip(judged, groups))
 
 
 # --- out of memory: retried alone, then TOO-BIG ---------------------------------------------------------------------

@@ -136,6 +136,20 @@ class Terminated(KeyboardInterrupt):
 _terminated: list[bool] = [False]  # whether this command received SIGTERM (the unwinding may wrap `Terminated`)
 
 
+def _stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints every thread's stack to the process's stderr: where a run that stopped advancing waits
+    (`benchmarks/h100/monitor.sh` sends it). Not where there is no such signal or no real stderr."""
+    import faulthandler
+    import signal
+
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):
+        pass
+
+
 def _terminate(signum, frame) -> None:
     _terminated[0] = True
     raise Terminated()
@@ -155,10 +169,7 @@ class DoctorGroup(click.Group):
         _terminated[0] = False
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             previous = signal.signal(signal.SIGTERM, _terminate)
-            if hasattr(signal, "SIGUSR1"):  # every thread's stack to stderr: where a run that stopped advancing waits
-                import faulthandler
-
-                faulthandler.register(signal.SIGUSR1, all_threads=True)
+            _stacks_on_sigusr1()
         try:
             with printable_standard_streams():  # a terminal that cannot print Unicode gets ASCII, not a traceback
                 self._main(app, args, prog_name, complete_var, **extra)

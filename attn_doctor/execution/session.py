@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from attn_doctor.backends import BASELINE, BackendSpec, process_of
+from attn_doctor.core.case import Case
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import first_line
 from attn_doctor.execution.budget import MemoryBudget, size
@@ -254,6 +255,7 @@ class Session:
         count)."""
         self._phase_plan = plan
         self.references.max_live = plan.live_references
+        self.references.admit_in(serving_order(batch.groups, units))
         self._hold_parent(plan)
         starting = {process: min(plan.workers.get(process, 1), len(family_units))
                     for process, family_units in units.items()}
@@ -359,6 +361,7 @@ class Session:
 
     def _retry_alone(self, batch: _Batch) -> None:
         """Each probe that ran out of memory, again, with every other worker closed and the whole budget."""
+        self.references.admit_in([])  # one probe at a time: each waits only for room
         for group, index in sorted(batch.deferred):
             if batch.stopped.is_set():
                 return
@@ -449,6 +452,18 @@ class _Thread(threading.Thread):
             self.join(0.1)
         if self._error is not None:
             raise self._error
+
+
+def serving_order(groups: list[list[Coords]], units: dict[str, list[tuple[int, list[int]]]]
+                  ) -> list[tuple[Case, int | None]]:
+    """The (case, layers) of the references `units` need, in the order the families serve them: by group, then by
+    the probes' order in the group (as `turns` goes too)."""
+    indices: dict[int, set[int]] = {}
+    for family_units in units.values():
+        for group, unit in family_units:
+            indices.setdefault(group, set()).update(unit)
+    return [(groups[group][i].case, groups[group][i].reference_layers)
+            for group in sorted(indices) for i in sorted(indices[group])]
 
 
 def turns(groups: list[list[Coords]], units: dict[str, list[tuple[int, list[int]]]]

@@ -12,19 +12,20 @@ handle it receives, also when it already has the case (torch then gives the coun
 keeps the tensors alive until the last job of the case has finished. Where sharing fails, the handle is
 None and the worker computes the reference itself, as it would without a parent.
 
-Threads: the session's serving threads all ask for references, but only one of them at a time works with torch
-on the GPU here (`_gpu`: computing, exporting, freeing a reference, giving cached memory back). Sweeps with
-several workers per family stopped for good on an H100 with every thread free to do so (issue 51: GPU idle,
-every worker waiting for a job, at 1,455 of 1,899 probes), the circular wait between the GIL and a lock inside
-torch's allocator or its CUDA IPC bookkeeping that torch has met before (pytorch#97833, pytorch#39541): a thread
-that holds such a lock and waits for the GIL, beside one that holds the GIL and waits for the lock. One thread at a
-time in those paths leaves no second thread to close the circle.
+Threads: every serving thread of the session asks for references; one at a time works with torch here (`_gpu`:
+computing, exporting, freeing a reference and giving cached memory back), so one reference is computed at a time
+and its scratch is counted once.
 
-Memory (`attn_doctor.execution.budget`): references are computed one at a time, and at most `max_live` are kept at
-once: a job that would open another waits until an older one's last job has finished. That bounds what the parent
-holds when families run at different speeds (the fastest would otherwise open case after case). It cannot wait
-forever: the oldest kept reference's remaining jobs are each some family's next unit or already running, and
-need no new reference.
+Memory (`attn_doctor.execution.budget`): at most `max_live` references are kept at once: a job that would open
+another waits until an older one's last job has finished. That bounds what the parent holds when families run at
+different speeds (the fastest would otherwise open case after case). References are admitted in the order the
+session serves their cases (`admit_in`), never a later case before an earlier one: then the oldest kept
+reference's remaining jobs are each some family's next unit or already running, need no new reference, and free
+its place, so the wait always ends. Admitted in whatever order the threads asked, it did not: with several workers
+per family the threads of the fastest family filled every place with later cases, finished their jobs there and
+waited to open the next, while a slower family's next case, older than all of those, waited for a place (issue
+51's sweeps on the H100 stopped for good at 1,439 of 1,899 probes, every serving thread waiting for room and every
+worker idle; `tests/test_memory_plan.py` reproduces it).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class ReferenceStore:
         # counted once
         self._gpu = threading.RLock()
         self._live = 0  # references computed and not yet freed
+        self._rank: dict[tuple, int] = {}  # the order cases are admitted in (`admit_in`), until admitted
+        self._next_rank = 0  # the rank whose turn it is
         self._closed = False
         self._entries: dict[tuple, _Entry] = {}
         if device == "cpu":
@@ -68,6 +71,15 @@ class ReferenceStore:
         with self._lock:
             self._entries.setdefault((case.key(), layers), _Entry()).pending += 1
 
+    def admit_in(self, keys: list[tuple[Case, int | None]]) -> None:
+        """The order in which the references of (case, layers) are admitted from now on: the session's, as it
+        serves their jobs. A reference not in it (a probe retried alone) waits only for room."""
+        with self._room:
+            order = dict.fromkeys((case.key(), layers) for case, layers in keys)
+            self._rank = {key: rank for rank, key in enumerate(order)}
+            self._next_rank = 0
+            self._room.notify_all()
+
     def handle(self, case: Case, layers: int | None = None) -> str | None:
         """A new handle, for one job, to the shared reference (computed now if this is its first request);
         None where the reference could not be computed or shared here."""
@@ -75,7 +87,7 @@ class ReferenceStore:
             entry = self._entries.setdefault((case.key(), layers), _Entry())
         with entry.lock:  # one computation per reference
             if not entry.ready:
-                self._admit()
+                self._admit((case.key(), layers))
                 entry.live = True
                 with self._gpu:
                     entry.tensors = self._compute_timed(case, layers)
@@ -114,12 +126,19 @@ class ReferenceStore:
         return sum(t.numel() * t.element_size() for entry in entries if entry.tensors is not None
                    for t in entry.tensors if t is not None)
 
-    def _admit(self) -> None:
-        """Wait until one more reference may be kept (`max_live`); interruptible by `clear`."""
+    def _admit(self, key: tuple) -> None:
+        """Wait until this reference's turn (`admit_in`) and room to keep one more (`max_live`); interruptible by
+        `clear`."""
         with self._room:
-            while self.max_live is not None and self._live >= self.max_live and not self._closed:
+            rank = self._rank.get(key)
+            while not self._closed and (self.max_live is not None and self._live >= self.max_live
+                                        or rank is not None and rank != self._next_rank):
                 self._room.wait(0.5)
             self._live += 1
+            if rank is not None:
+                del self._rank[key]  # admitted: computed again (a retry) it waits only for room
+                self._next_rank = rank + 1
+                self._room.notify_all()  # the next in line may be waiting
 
     def clear(self) -> None:
         """Forget every case (the session is over; workers have exited); release any job waiting for room."""

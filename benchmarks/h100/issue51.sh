@@ -6,6 +6,7 @@
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree, then this tree profiled
 # tests      te-tests cold on this tree, every path (te.flash: FlashAttention not installed yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
+# both       cold-new, then tests (COVERAGE_LIMIT, TESTS_LIMIT seconds each)
 set -uo pipefail
 phase=$1 dest=$2
 root=$PWD
@@ -36,6 +37,10 @@ case "$phase" in
   fa4)
     LIMIT=${LIMIT:-420} "${cold[@]}" te-tests-fa4 "$root" --recipe te-tests --family fa4_base,fa4_mla,fa4_swa,fa4_varlen,fa4_mask \
         "${workers[@]}" --backend te.flash --backend local ;;
+  both)  # what one short lease allows: cold-new (te-coverage, the machine's first sweep), then tests, each archived
+    LIMIT=${COVERAGE_LIMIT:-100} bash "$0" cold-new "$dest"
+    LIMIT=${TESTS_LIMIT:-250} bash "$0" tests "$dest"
+    exit 0 ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
 cat "$out/times.txt" 2>/dev/null
