@@ -213,3 +213,32 @@ def test_mxfp8_is_a_skip_with_te_s_own_reason_where_te_has_none(stand_in_te):
     assert outcome.status == "skip"
     assert outcome.reason == "TE: MXFP8 is not available here: MXFP8 (for all gemm layouts) is not supported on 9.0+ " \
                              "architectures yet."
+
+
+@pytest.mark.parametrize("ran_unfused", [True, False])
+def test_the_f16_backward_on_te_s_unfused_path_is_a_skip_as_it_ran_not_as_it_was_asked(stand_in_te, monkeypatch,
+                                                                                       ran_unfused):
+    """TE's unfused path emulates FP8 in its backward whatever NVTE_FP8_DPA_BWD says: read back, its row is a SKIP
+    (judged as an F16 backward its FP8 gradients failed). FusedAttention, which honours the flag, is judged."""
+    import contextlib
+
+    from attn_doctor.backends import build, te_call
+
+    class Unfused(StandInDotProductAttention):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            te_backend._te.state.update(use_fused_attention=False, use_unfused_attention=True)
+            return out
+
+    if ran_unfused:
+        te_backend._te.te.DotProductAttention = Unfused
+    monkeypatch.setattr(te_call, "fp8_autocast", lambda te, recipe: contextlib.nullcontext())
+    case = make_case(batch=2, seq=24, heads=4, head_dim=32, mask="causal", fp8="current", fp8_backward="f16")
+    spec = BackendSpec("te.unfused" if ran_unfused else "te.fused", "te",
+                       {"path": "unfused" if ran_unfused else "fused"})
+    outcome = run_probe(build(spec), Coords.call(case, spec, "contiguous"), Caches(torch.device("cpu")))
+    if ran_unfused:
+        assert outcome.status == "skip" and "whatever NVTE_FP8_DPA_BWD says" in outcome.reason
+    else:
+        assert outcome.status == "ok", outcome.reason
+        assert os.environ[te_call.FP8_BACKWARD_FLAG] == "0"
