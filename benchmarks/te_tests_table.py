@@ -14,6 +14,8 @@ attn-doctor's figures against float64 a FAIL is said to pass that test when:
 - FP8 cases: TE's FP8 test only logs a mismatch, and gates on RMSE <= 11-15 % of the value range
   (tests/pytorch/utils.py at v2.18: 239-265), which a FAIL here with rel. error below 0.7 likely meets (a Gaussian's
   range is about 7 RMS): an estimate, not a bound, and the row says "likely".
+Each FAIL also names the known-defect rule (attn_doctor/data/known_bugs.toml) that matches it on the sweep's
+machine, as `attn-doctor report` would, or "none": the FAILs still to bisect.
 """
 
 from __future__ import annotations
@@ -44,6 +46,31 @@ def read_rows(directory: Path) -> list[dict]:
             with opener(directory / name, "rt") as lines:
                 return [json.loads(line) for line in lines if '"backend"' in line]
     raise SystemExit(f"{directory}: no results.json, results.jsonl or results.jsonl.gz")
+
+
+def known_rules(directory: Path) -> dict[tuple, str]:
+    """(case key, backend, layout) of each FAIL or ERROR row -> the id of the known-defect rule whose symptom it
+    shows on the sweep's machine (sweep.json's environment), "" where none does."""
+    import shutil
+    import tempfile
+
+    from attn_doctor.known_defects import find_known_bugs, load_known_bugs, row_probe
+    from attn_doctor.results.log import load_results
+
+    with tempfile.TemporaryDirectory() as unpacked:
+        source = directory
+        if not (directory / "results.json").is_file() and not (directory / "results.jsonl").is_file():
+            source = Path(unpacked)  # a committed stream is gzipped; the loader reads it plain
+            with gzip.open(directory / "results.jsonl.gz", "rb") as packed, open(source / "results.jsonl", "wb") as out:
+                shutil.copyfileobj(packed, out)
+            if (directory / "sweep.json").is_file():
+                shutil.copy(directory / "sweep.json", source / "sweep.json")
+        report, _ = load_results(source)
+    fails = [row for row in report.rows if row.verdict in ("FAIL", "ERROR")]
+    probes = [row_probe(row, report.env) for row in fails] if report.env is not None else []
+    shown = {id(probe): finding.bug.id for finding in find_known_bugs(load_known_bugs(), report.env, probes)
+             for probe in finding.shown} if probes else {}
+    return {(row.case.key(), row.backend, row.layout): shown.get(id(probe), "") for row, probe in zip(fails, probes)}
 
 
 def family_keys(recipe_name: str) -> dict[str, set[tuple]]:
@@ -89,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         row["_key"] = Case.from_dict(row["case"]).key()
         by_case[(row["_key"], row.get("layout"))].append(row)
     families = family_keys(args.recipe)
+    rules = {key: rule for directory in args.directories for key, rule in known_rules(directory).items()}
     print("| family | cases | rows | PASS | FAIL | ERROR | INCONCLUSIVE | SKIP | TOO-BIG |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     skips: dict[str, Counter] = {}
@@ -106,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     for family, reasons in skips.items():
         if reasons:
             print(f"- **{family}**: " + "; ".join(f"{n}× {reason}" for reason, n in reasons.most_common(6)))
-    print("\n## Every FAIL and ERROR of a TE path, and whether TE's own test would pass it\n")
-    print("| family | path | layout | case | failing | TE's test passes it? |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n## Every FAIL and ERROR of a TE path: the known defect it matches, and whether TE's own test would pass it\n")
+    print("| family | path | layout | case | failing | known defect | TE's test passes it? |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         if row["verdict"] not in ("FAIL", "ERROR") or not row["backend"].startswith("te."):
             continue
@@ -118,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             row.get("reason", "")[:80])
         verdict = te_test_would_pass(row, by_case[(row["_key"], row.get("layout"))]) if row["verdict"] == "FAIL" \
             else "n/a (ERROR)"
-        print(f"| {family} | {row['backend']} | {row.get('layout', '')} | {case} | {failing} | {verdict} |")
+        rule = rules.get((row["_key"], row["backend"], row.get("layout", ""))) or "none"
+        print(f"| {family} | {row['backend']} | {row.get('layout', '')} | {case} | {failing} | {rule} | {verdict} |")
     return 0
 
 

@@ -10,7 +10,7 @@ from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, Path
 from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
 from attn_doctor.backends.sdpa import SdpaKernel
-from attn_doctor.backends.te import CUDNN_MARK, TEAttention, without_build
+from attn_doctor.backends.te import CUDNN_MARK, TE_MARK, TEAttention, without_build
 from attn_doctor.backends.te_module import TEModule
 from attn_doctor.core.case import Case
 from attn_doctor.core.errors import BadInput
@@ -51,13 +51,37 @@ def path_names() -> tuple[str, ...]:
 
 
 def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, ...] = (),
-           cudnn: str | None = None) -> list[BackendSpec]:
+           cudnn: str | None = None, te: str | None = None) -> list[BackendSpec]:
     """The specs a user asked for: --backend NAME (a row name, or a family for all its rows; all built-ins
     but the opt-in ones, TE's layers, when neither --backend nor --kernel is given), --kernel
-    [NAME=]TARGET:FUNC, and --cudnn B1,B2 (each path whose process loads cuDNN, once per build: `with_cudnn`).
-    Unknown names, a kernel name that is taken and a cuDNN build that is not here are bad input."""
+    [NAME=]TARGET:FUNC, --te V1,V2 (TE's paths once per prepared release: `with_te`) and --cudnn B1,B2 (each path
+    whose process loads cuDNN, once per build: `with_cudnn`). Unknown names, a kernel name that is taken, a TE
+    release not prepared and a cuDNN build that is not here are bad input."""
     specs = _select(names, kernels)
+    if te:
+        specs = with_te(specs, [part.strip() for part in te.split(",") if part.strip()])
     return with_cudnn(specs, [part.strip() for part in cudnn.split(",") if part.strip()]) if cudnn else specs
+
+
+def with_te(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpec]:
+    """Each of TE's paths once per requested release (prepared with `attn-doctor te add`), named
+    "te.fused@te-2.18.0"; the others as they are."""
+    from attn_doctor.machine.te_installs import find_installs, resolve
+
+    if not any(backend_class(spec).loads_cudnn for spec in specs):
+        raise BadInput("--te picks the TE release TE's paths run, and none is selected; add --backend te")
+    found = find_installs()
+    releases = list({install.version: install for install in (resolve(r, found) for r in requests)}.values())
+    chosen: list[BackendSpec] = []
+    for spec in specs:
+        chosen += [on_release(spec, install) for install in releases] if backend_class(spec).loads_cudnn else [spec]
+    return chosen
+
+
+def on_release(spec: BackendSpec, install) -> BackendSpec:
+    """`spec` (one of TE's paths) on the prepared TE release `install` (a `TEInstall`), named for it."""
+    return BackendSpec(f"{without_build(spec.name)}{TE_MARK}{install.version}", spec.family,
+                       {**spec.options, "te": install.to_dict()})
 
 
 def with_cudnn(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpec]:
@@ -76,8 +100,9 @@ def with_cudnn(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpe
 
 
 def on_build(spec: BackendSpec, build) -> BackendSpec:
-    """`spec` (a path whose process loads cuDNN) on the cuDNN build `build` (a `CudnnBuild`), named for it."""
-    name = without_build(spec.name)
+    """`spec` (a path whose process loads cuDNN, maybe on a TE release of its own) on the cuDNN build `build` (a
+    `CudnnBuild`), named for it."""
+    name = spec.name.split(CUDNN_MARK)[0]
     label = build.version or build.directory.rstrip("/").rsplit("/", 1)[-1]
     return BackendSpec(f"{name}{CUDNN_MARK}{label}", spec.family, {**spec.options, "cudnn": build.to_dict()})
 
@@ -167,8 +192,9 @@ def process_of(spec: BackendSpec) -> tuple[str, dict[str, str]]:
     """The worker process a spec runs in: a key naming it ("te", or "te with cuDNN from DIR") and the
     variables it starts with."""
     environment = backend_class(spec).process_environment(spec)
-    cudnn = spec.options.get("cudnn")
-    key = f"{spec.family} with cuDNN from {cudnn['directory']}" if environment and cudnn else spec.family
+    cudnn, release = spec.options.get("cudnn"), spec.options.get("te")
+    key = spec.family + (f" with TE {release['version']}" if environment and release else "") + (
+        f" with cuDNN from {cudnn['directory']}" if environment and cudnn else "")
     return key, environment
 
 
@@ -180,5 +206,5 @@ def prepare_process(family: str) -> dict:
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
            "repro_source", "short_call", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
-           "with_cudnn", "on_build", "without_build", "CUDNN_MARK", "own_layout", "is_layer_path",
-           "is_te_family"]
+           "with_cudnn", "on_build", "with_te", "on_release", "without_build", "CUDNN_MARK", "TE_MARK", "own_layout",
+           "is_layer_path", "is_te_family"]

@@ -35,6 +35,7 @@ import importlib
 import logging
 import os
 import shlex
+import sys
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -69,9 +70,13 @@ LAST_TE_WITH_SUB_BACKEND_CHOICE = (2, 15)
 CUDNN_MARK = "@cudnn-"  # a path run on a chosen cuDNN build: "te.fused@cudnn-9.19.0" (`backends.with_cudnn`)
 
 
+TE_MARK = "@te-"  # a path run on a prepared TE release: "te.fused@te-2.18.0" (`backends.with_te`)
+
+
 def without_build(name: str) -> str:
-    """A path's name without the cuDNN build it ran on: "te.fused@cudnn-9.19.0" -> "te.fused"."""
-    return name.split(CUDNN_MARK)[0]
+    """A path's name without the TE release and cuDNN build it ran on: "te.fused@te-2.18.0@cudnn-9.19.0" ->
+    "te.fused"."""
+    return name.split(CUDNN_MARK)[0].split(TE_MARK)[0]
 NO_BACKEND_MESSAGE = "No dot product attention backend is available"
 # TE's unfused path runs FP8 attention only as an emulation, behind this variable (TE 2.x).
 UNFUSED_FP8_EMULATION = "NVTE_UnfusedDPA_Emulate_FP8"
@@ -388,19 +393,23 @@ class TEAttention(Backend):
 
     @classmethod
     def selector(cls, spec: BackendSpec) -> str:
-        cudnn = spec.options.get("cudnn")
-        if not cudnn:
+        cudnn, release = spec.options.get("cudnn"), spec.options.get("te")
+        if not cudnn and not release:
             return super().selector(spec)
         name = without_build(spec.name)
-        return f"--backend {shlex.quote(name)} --cudnn {shlex.quote(cudnn['version'] or cudnn['directory'])}"
+        return (f"--backend {shlex.quote(name)}" + (f" --te {shlex.quote(release['version'])}" if release else "")
+                + (f" --cudnn {shlex.quote(cudnn['version'] or cudnn['directory'])}" if cudnn else ""))
 
     @classmethod
     def process_environment(cls, spec: BackendSpec) -> dict[str, str]:
-        """A cuDNN build asked for (`--cudnn`): every lever the loader and TE offer; what loaded is read back."""
+        """A cuDNN build asked for (`--cudnn`): every lever the loader and TE offer; a prepared TE release (`--te`):
+        its folder, put first on the worker's import path before TE loads. What loaded is read back."""
         from attn_doctor.machine.cudnn_builds import CudnnBuild, loader_environment
+        from attn_doctor.machine.te_installs import SITE_VARIABLE, TEInstall
 
-        cudnn = spec.options.get("cudnn")
-        return loader_environment(CudnnBuild.from_dict(cudnn)) if cudnn else {}
+        cudnn, release = spec.options.get("cudnn"), spec.options.get("te")
+        return {**(loader_environment(CudnnBuild.from_dict(cudnn)) if cudnn else {}),
+                **({SITE_VARIABLE: TEInstall.from_dict(release).site} if release else {})}
 
     @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:
@@ -462,7 +471,10 @@ class TEAttention(Backend):
         fingerprint. An import failure is kept, and every TE row of this process is SKIP with it."""
         from attn_doctor.machine.te_facts import loaded_te_facts
 
+        from attn_doctor.machine.te_installs import use_prepared_release
+
         global _import_error, _te_facts
+        use_prepared_release()  # `--te`: that release's folder first on the import path, before TE loads
         try:
             load_te()
         except Exception as exc:  # noqa: BLE001 - any import failure becomes the rows' SKIP reason
@@ -484,6 +496,15 @@ class TEAttention(Backend):
             why = not_honoured(CudnnBuild.from_dict(wanted), self.cudnn["cudnn"], self.cudnn["cudnn_libraries"] or [])
             if why:
                 raise Unsupported(f"--cudnn not honoured by TE: {why}")
+        release = spec.options.get("te")
+        if release:  # read back: the TE this process imported, and from where
+            from attn_doctor.machine.te_installs import TEInstall, release_not_honoured
+
+            imported = getattr(sys.modules.get("transformer_engine"), "__file__", None)
+            why = release_not_honoured(TEInstall.from_dict(release), _te_facts.get("te"), imported)
+            if why:
+                raise Unsupported(f"--te not honoured: {why}")
+            self.cudnn["te"] = _te_facts.get("te")
         self.path = spec.options["path"]
         self.flash_version = spec.options.get("flash_version")
         self.sub_backend = spec.options.get("sub_backend")

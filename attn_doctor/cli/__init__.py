@@ -18,6 +18,7 @@ from attn_doctor.cli.replay import replay
 from attn_doctor.cli.report import report
 from attn_doctor.cli.run import run
 from attn_doctor.cli.sweep import sweep
+from attn_doctor.cli.te import te
 
 
 @click.group(cls=DoctorGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,7 +31,7 @@ def cli() -> None:
     """
 
 
-for command in (env, run, sweep, bisect, report, capture, replay, compare):
+for command in (env, run, sweep, bisect, report, capture, replay, compare, te):
     cli.add_command(command)
 
 

@@ -35,7 +35,7 @@ from attn_doctor.core.probe_kinds import rules_for
               help="Write the long self-contained repro (all of attn-doctor's numerics) instead of the short one "
                    "written for the minimal case.")
 @click.pass_obj
-def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memory, timeout, tp, layers, from_results,
+def bisect(app: Application, backends, kernels, te_release, cudnn, layouts, device, max_memory, timeout, tp, layers, from_results,
            row_index, repeats, json_path, out_dir, full_repro, **case_flags) -> int:
     """Shrink a failing case to the smallest one that still fails, name the conditions it needs, and write a
     standalone repro script."""
@@ -46,7 +46,7 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memo
         refuse_ignored("--row", "with --from (which failing row of those results)", "add --from RESULTS, or drop --row")
     if from_results is not None:
         case_given = [name.replace("_", "-") for name, value in case_flags.items() if value is not None]
-        if case_given or backends or kernels or cudnn or layouts or tp != 1 or layers:
+        if case_given or backends or kernels or te_release or cudnn or layouts or tp != 1 or layers:
             raise BadInput("--from starts from a row of the results, with its case, backend and layout; drop "
                            f"{', '.join('--' + g for g in case_given) or 'the case and backend options'}")
     from attn_doctor.bisect import knobs
@@ -75,7 +75,7 @@ def bisect(app: Application, backends, kernels, cudnn, layouts, device, max_memo
                               "seeded inputs of the call's shapes instead of its captured values and views",
                               style="yellow")
     else:
-        specs = select(backends, kernels, cudnn)
+        specs = select(backends, kernels, cudnn, te_release)
         if len(specs) != 1:
             raise BadInput("bisect follows one kernel path: give exactly one --backend or --kernel "
                            f"(got {len(specs)}), or --from RESULTS")

@@ -18,6 +18,8 @@ EXIT_CODES = {
                 "is printed); 2 bad input, or no attention call was recorded; 130 Ctrl-C."),
     "compare": ("0 the same run within rounding; 1 the runs differ upstream (weights, data, dropout, settings), or "
                 "one run's attention is far from float64 where the other's is not; 2 bad input."),
+    "te": ("0 prepared (or already) / listed; 2 bad input, or an install that pip or the import check refused "
+           "(its last error line; nothing is left behind)."),
 }
 
 EXAMPLES = {
@@ -32,6 +34,7 @@ EXAMPLES = {
     "capture": ["attn-doctor capture --out tp1 --values --layers 0,23 --steps 1 -- python train.py",
                 "attn-doctor capture --out tp2 --values -- torchrun --nproc-per-node 2 train.py --tp 2"],
     "compare": ["attn-doctor compare tp1 tp2", "attn-doctor compare tp1 tp2 --json tp1-vs-tp2.json"],
+    "te": ["attn-doctor te add 2.18.0", "attn-doctor te add 2.18.0 --from ./te-2.18.0-wheels"],
 }
 
 

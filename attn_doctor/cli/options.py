@@ -355,6 +355,9 @@ def backend_options(fn: Callable) -> Callable:
                      help=f"A memory layout to feed (repeatable): {', '.join(LAYOUTS)}, or TE's names (sb3hd, "
                           "thd_t2hd, ...) [contiguous, sb3hd_packed, sbh3d_packed, head_slice, transposed; thd: "
                           "contiguous, head_slice, qkv_3hd, kv_2hd]."),
+        click.option("--te", "te_release", metavar="VERSION[,...]",
+                     help="Run TE's paths on this TE release, prepared with `attn-doctor te add VERSION`; a list "
+                          "runs each path once per release. The TE each worker imported is read back."),
         click.option("--cudnn", metavar="VERSION|PATH[,...]",
                      help="Run TE's paths on this cuDNN build (a version `attn-doctor env` lists, or a library "
                           "folder); a list runs each path once per build. What TE loaded is read back per row."),

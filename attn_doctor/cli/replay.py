@@ -35,7 +35,7 @@ def _span(values: list[int | None]) -> str:
                    "[attn-doctor-results/replay-<time>].")
 @repeats_option
 @click.pass_obj
-def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, backends, kernels, cudnn, layouts,
+def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, backends, kernels, te_release, cudnn, layouts,
            device, max_memory, timeout, out_dir, repeats) -> int:
     """Check every distinct call of a capture on every path against float64: the call's own shapes and values
     (seeded ones when only metadata was captured) on its own views (layout `captured`) and contiguous.
@@ -88,7 +88,7 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.workflows import sweep as sweeping
 
-    specs = select(backends, kernels, cudnn)
+    specs = select(backends, kernels, cudnn, te_release)
     directory = out_dir or app.new_run_dir("replay")
     request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),

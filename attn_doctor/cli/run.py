@@ -41,7 +41,7 @@ from attn_doctor.core.layouts import canonical_layouts
 @repeats_option
 @click.pass_obj
 def run(app: Application, json_path: Path | None, profile: bool, wide: bool, nproc: int | None, tp_degree: int,
-        cp_degree: int, cp_comm_type: str, repeats: int, backends, kernels, cudnn, layouts, device, max_memory, timeout,
+        cp_degree: int, cp_comm_type: str, repeats: int, backends, kernels, te_release, cudnn, layouts, device, max_memory, timeout,
         **case_flags) -> int:
     """Check every backend x layout on one case against float64 and name the faulty kernel path."""
     from attn_doctor.machine.devices import check_device_name
@@ -60,13 +60,13 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
     if nproc is None:
         from attn_doctor.execution.pool import prestart_te
 
-        prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
+        prestart_te(backends, cudnn or te_release, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.workflows.run import RunInterrupted, RunRequest, sized_for_cpu
     from attn_doctor.workflows.run import run as run_workflow
 
-    specs = select(backends, kernels, cudnn)
+    specs = select(backends, kernels, cudnn, te_release)
     out_path = json_path or app.new_run_dir("run", "--json") / "results.json"
     request = RunRequest(case, specs, canonical_layouts(layouts), resolve_device(device), app.command_line(), timeout,
                          tp=tp_degree, cp=cp_degree, cp_comm_type=cp_comm_type, nproc=nproc,

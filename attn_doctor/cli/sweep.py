@@ -38,7 +38,7 @@ from attn_doctor.core.layouts import canonical_layouts
                    "--layers: a depth sweep runs one worker at a time]")
 @repeats_option
 @click.pass_obj
-def sweep(app: Application, backends, kernels, cudnn, layouts, device, max_memory, timeout, resume, out_dir, shard,
+def sweep(app: Application, backends, kernels, te_release, cudnn, layouts, device, max_memory, timeout, resume, out_dir, shard,
           workers, repeats, **grid_flags) -> int:
     """Run a grid of cases, depth stacks (--layers) or TP shards (--tp); stream results; summarise."""
     from attn_doctor.machine.devices import check_device_name
@@ -58,13 +58,13 @@ def sweep(app: Application, backends, kernels, cudnn, layouts, device, max_memor
     from attn_doctor.machine.memory import read_free
 
     memory = MemoryAsk(max_memory, read_free(device))  # before any process of ours holds memory
-    prestart_te(backends, cudnn, device)  # TE's import overlaps this process's own start
+    prestart_te(backends, cudnn or te_release, device)  # TE's import overlaps this process's own start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.core.paths import check_output
     from attn_doctor.workflows import sweep as sweeping
 
-    specs = select(backends, kernels, cudnn)
+    specs = select(backends, kernels, cudnn, te_release)
     if resume is not None:
         check_output(resume, "--resume", directory=True)  # read (checked as parsed) and written to
     directory = resume or out_dir or app.new_run_dir("sweep")

@@ -1,10 +1,10 @@
 """How many worker processes each backend family gets when the user does not say (`sweep --workers`).
 
-On a GPU a probe's time is mostly the CPU's, not the card's: the first call of a configuration on a cuDNN path
-builds and compiles its graph at run time (on the H100 with TE 2.20.2 a te.fused probe took 0.86 s on average over
-TE's test matrix, a te.fused.det one 0.45 s and an sdpa.cudnn one 0.41 s, where the median probe took 11 ms:
-reports/h100/issue51/te-tests-partial), and a compile runs on one core of the process that needs it. So a sweep goes
-as fast as the processes it runs at once, up to the machine's cores, and the card's memory is what limits them
+On a GPU a sweep's probes are mostly first calls, and a first call's time is mostly the CPU's, not the card's (on
+the H100 with TE 2.20.2 a te.fused probe took 0.86 s on average over TE's test matrix, a te.fused.det one 0.45 s and
+an sdpa.cudnn one 0.41 s, where the median probe took 11 ms: reports/h100/issue51/te-tests-partial; cuDNN builds
+each configuration's graph on its first call), spent in the one process that makes it. So a sweep goes as fast as
+the processes it runs at once, up to the machine's cores, and the card's memory is what limits them
 (`memory_plan.plan_memory` runs fewer where they do not fit). The cores are shared among the families in
 proportion to their probes, each family at least `FLOOR` workers (the former fixed default) where it has that many
 units, at most one per unit. On the CPU every process computes with all the cores it is given

@@ -245,7 +245,8 @@ class Session:
 
     @property
     def plan(self) -> MemoryPlan | None:
-        """The plan of the last `run_groups`' first phase (most of its groups), None before any."""
+        """The plan of the last `run_groups`' first phase (its smallest groups; `plans` has every phase's), None
+        before any."""
         return self.plans[0] if self.plans else None
 
     def _run_phase(self, batch: _Batch, units: dict[str, list[tuple[int, list[int]]]], plan: MemoryPlan,
@@ -456,14 +457,22 @@ class _Thread(threading.Thread):
 
 def serving_order(groups: list[list[Coords]], units: dict[str, list[tuple[int, list[int]]]]
                   ) -> list[tuple[Case, int | None]]:
-    """The (case, layers) of the references `units` need, in the order the families serve them: by group, then by
-    the probes' order in the group (as `turns` goes too)."""
+    """The (case, layers) of the references `units` need, in the order the families serve them: by group; in a group
+    by depth as `turns` goes (admitted out of that order, a reference would wait for ever when the families take
+    turns on one thread), then as each family's worker goes through its probes, in their order."""
     indices: dict[int, set[int]] = {}
     for family_units in units.values():
         for group, unit in family_units:
             indices.setdefault(group, set()).update(unit)
-    return [(groups[group][i].case, groups[group][i].reference_layers)
-            for group in sorted(indices) for i in sorted(indices[group])]
+    order: dict[tuple, tuple[Case, int | None]] = {}
+    for group in sorted(indices):
+        coords_list = groups[group]
+        for layers in dict.fromkeys(c.reference_layers for c in coords_list):
+            for i in sorted(indices[group]):
+                coords = coords_list[i]
+                if coords.reference_layers == layers:
+                    order.setdefault((coords.case.key(), layers), (coords.case, layers))
+    return list(order.values())
 
 
 def turns(groups: list[list[Coords]], units: dict[str, list[tuple[int, list[int]]]]

@@ -30,7 +30,7 @@ from attn_doctor.core.case import (
 )
 from attn_doctor.core.coords import TE_CP_COMM_TYPES
 from attn_doctor.core.layouts import CAPTURED, LAYOUTS
-from attn_doctor.known_defects.facts import Facts, fact_version, loaded_cudnn, parse_sm
+from attn_doctor.known_defects.facts import Facts, fact_version, loaded_cudnn, parse_sm, parse_version
 
 if TYPE_CHECKING:
     from attn_doctor.machine.fingerprint import EnvReport, Fact
@@ -106,6 +106,15 @@ def _version_of(fact: Callable[[EnvReport], Fact], shown: str) -> Check:
         return _holds(version is not None and _in_spec(version, spec), f"{shown} {version}")
 
     return check
+
+
+def _te(spec: str, facts: Facts) -> Outcome:
+    """A specifier on the TE the path ran: the release its process imported (`--te`, read back), else the
+    machine's."""
+    if facts.context.te is not None:
+        version = parse_version(facts.context.te)
+        return _holds(version is not None and _in_spec(version, spec), f"TE {version} (the path's own)")
+    return _version_of(lambda env: env.te, "TE")(spec, facts)
 
 
 def _sdpa_path(facts: Facts) -> bool:
@@ -272,7 +281,7 @@ def _head_dim_v_not_in(excluded: list[int], facts: Facts) -> Outcome:
 
 # In the order evidence names the facts: the machine, the run, the path, the case.
 CONDITIONS: tuple[Condition, ...] = (
-    Condition("te", "environment", "specifier", _version_of(lambda env: env.te, "TE")),
+    Condition("te", "environment", "specifier", _te),
     Condition("torch", "environment", "specifier", _version_of(lambda env: env.torch, "torch")),
     Condition("cudnn", "environment", "specifier", _cudnn),
     Condition("cudnn_in", "environment", "versions", _cudnn),

@@ -52,6 +52,7 @@ class MatchContext:
     sub_backend: int | None = None  # TE's FusedAttention sub-backend as TE reported it
     layout: str | None = None  # attn-doctor's memory layout
     cudnn: str | None = None  # the cuDNN the path's own process reported loading (a TE row's, read back)
+    te: str | None = None  # the TE the path's own process imported (a `--te` row's, read back), else the machine's
 
     @classmethod
     def from_env(cls, env: EnvReport, *, qkv_format: str | None = None, **overrides: Any) -> MatchContext:
@@ -170,6 +171,7 @@ def row_probe(row: Row, env: EnvReport, dout_strided: bool = False) -> Probe:
         cp_comm_type=coords.cp_comm_type,
         dout_strided=dout_strided,
         cudnn=row.extra.get("cudnn") if isinstance(row.extra.get("cudnn"), str) else None,
+        te=row.extra.get("te") if isinstance(row.extra.get("te"), str) else None,
         **match_context(spec),
     )
     return Probe(

@@ -62,6 +62,8 @@ def labelled_facts(env: EnvReport) -> list[tuple[str, str, Kind]]:
     if env.cudnn_builds is not None:  # documents written before it was collected do not have it
         add("cuDNN builds", Fact("; ".join(build.label() for build in env.cudnn_builds) or None,
                                  env.cudnn_builds_note))
+    if env.te_installs is not None:  # documents written before it was collected do not have it
+        add("TE releases prepared", env.te_installs)
     for key in ("v2", "v3", "v4"):
         add(_FLASH_LABELS[key], env.flash_attn.get(key, Fact(None, "not recorded")))
     for key in sorted(set(env.flash_attn) - set(_FLASH_LABELS)):

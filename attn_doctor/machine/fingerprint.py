@@ -42,7 +42,7 @@ FLASH_ATTN_DISTS: dict[str, tuple[str, ...]] = {
 }
 
 NOT_INSTALLED = "not installed"
-LATER_FACTS = ("cpu", "os", "cudnn_builds")  # facts older results documents do not have
+LATER_FACTS = ("cpu", "os", "cudnn_builds", "te_installs")  # facts older results documents do not have
 IDENTITY_KEYS = ("hostname", "user", "home")  # who and where: recorded only so that reports can redact them
 NOT_PROBED = "not probed"  # a fact nobody asked for (the words every results document has used)
 
@@ -123,6 +123,7 @@ class EnvReport:
     os: Fact | None = None  # the distribution's name and version
     cudnn_builds: tuple[SeenCudnnBuild, ...] | None = None  # every cuDNN build found, and which TE and torch load
     cudnn_builds_note: str | None = None  # why none is listed (none found, or the search failed)
+    te_installs: Fact | None = None  # the TE releases prepared beside the environment (`attn-doctor te add`)
     # The machine's hostname, the user and their home folder (IDENTITY_KEYS): never shown, recorded so that
     # a report pasted elsewhere can redact them (`attn_doctor.render.redact`); {} in older documents.
     identity: dict[str, str] = field(default_factory=dict)
@@ -381,6 +382,12 @@ def _loaded_cudnn() -> list[str]:
     return loaded_libraries()
 
 
+def _collect_te_installs() -> Fact:
+    from attn_doctor.machine.te_installs import installs_fact
+
+    return Fact(*installs_fact())
+
+
 def _collect_cudnn_builds(te_libraries: list[str], torch_libraries: list[str], te_version: str | None = None,
                           torch_version: str | None = None) -> tuple[tuple[SeenCudnnBuild, ...], str | None]:
     """Every cuDNN build found (`attn_doctor.machine.cudnn_builds`), each with the processes (TE's, torch's) that
@@ -520,6 +527,7 @@ def collect_env(
     flash = _safe(_collect_flash_attn, lambda e: {k: Fact(None, e) for k in FLASH_ATTN_DISTS})
     env_vars = _safe(collect_env_vars, lambda e: {})
     identity = _safe(collect_identity, lambda e: {})
+    te_installs = _safe(_collect_te_installs, lambda e: Fact(None, e))
     return EnvReport(
         python=python,
         platform=plat,
@@ -541,4 +549,5 @@ def collect_env(
         identity=identity,
         cudnn_builds=cudnn_builds,
         cudnn_builds_note=cudnn_builds_note,
+        te_installs=te_installs,
     )

@@ -1,0 +1,247 @@
+"""Transformer Engine releases installed side by side for attn-doctor (`attn-doctor te add`), never into the
+user's environment, and found again (`find_installs`, which never raises: a folder it cannot read is skipped).
+
+An install is a folder `<home>/<version>/` (home: $ATTN_DOCTOR_TE_HOME, else ~/.cache/attn-doctor/te) holding
+`site/`, where pip put TE's three packages (`transformer-engine`, the pure-Python part; `transformer-engine-cuNN`,
+the core library for this torch's CUDA major; `transformer-engine-torch`, the torch extension, built here against
+this very torch, published as a source distribution only), and `install.json`: the version, and what the install
+was built against and checked with (torch, its CUDA, Python), read back from a fresh interpreter that imported it.
+An install is made in a hidden folder beside the others and renamed into place only once that check passed, so a
+failed or interrupted one leaves nothing that `find_installs` would take for an install.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from attn_doctor.core.errors import BadInput
+
+HOME_VARIABLE = "ATTN_DOCTOR_TE_HOME"
+SITE_VARIABLE = "ATTN_DOCTOR_TE_SITE"  # a worker's prepared release (`--te`): its site folder, first on the path
+RECORD = "install.json"
+SITE = "site"
+VERSION = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.+-]*)$")
+CHECK_TIMEOUT_S = 300.0  # importing TE in a fresh interpreter (its core library is hundreds of MB)
+
+# Run as `python -c CHECK SITE`: TE imported from SITE alone, and what it was imported with, as one JSON line.
+CHECK = """\
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import transformer_engine
+import transformer_engine.pytorch
+where = transformer_engine.__file__ or ""
+print(json.dumps({"version": transformer_engine.__version__, "torch": torch.__version__,
+                  "cuda": torch.version.cuda, "python": sys.version.split()[0],
+                  "from_site": where.startswith(sys.argv[1])}))
+"""
+
+
+@dataclass(frozen=True)
+class TEInstall:
+    """One prepared TE: its version, its folder, and what it was built against (read back when it was made)."""
+
+    version: str
+    directory: str
+    torch: str = ""
+    cuda: str = ""
+    python: str = ""
+
+    @property
+    def site(self) -> str:
+        return str(Path(self.directory) / SITE)
+
+    def label(self) -> str:
+        """"2.18.0 (built for torch 2.11.0+cu130, CUDA 13.0; /root/.cache/attn-doctor/te/2.18.0)"."""
+        return f"{self.version} (built for torch {self.torch or '?'}, CUDA {self.cuda or '?'}; {self.directory})"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> TEInstall:
+        return cls(str(d["version"]), str(d["directory"]), str(d.get("torch", "")), str(d.get("cuda", "")),
+                   str(d.get("python", "")))
+
+
+def te_home(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    return Path(environ.get(HOME_VARIABLE) or Path.home() / ".cache" / "attn-doctor" / "te")
+
+
+def version_order(version: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else -1 for part in re.split(r"[.+-]", version))
+
+
+def find_installs(home: Path | None = None) -> list[TEInstall]:
+    """The installs under `home`, oldest version first; a folder without a readable record is not one."""
+    home = te_home() if home is None else home
+    found = []
+    try:
+        folders = sorted(home.iterdir())
+    except OSError:
+        return []
+    for folder in folders:
+        if folder.name.startswith("."):
+            continue  # being made, or left by one that failed
+        try:
+            record = json.loads((folder / RECORD).read_text())
+            install = TEInstall.from_dict({**record, "directory": str(folder)})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if (folder / SITE).is_dir():
+            found.append(install)
+    return sorted(found, key=lambda install: version_order(install.version))
+
+
+def resolve(request: str, installs: Sequence[TEInstall]) -> TEInstall:
+    """The prepared install of version `request`; BadInput naming those that are prepared, and how to add one."""
+    for install in installs:
+        if install.version == request.strip():
+            return install
+    have = ", ".join(install.version for install in installs) or "none"
+    raise BadInput(f"--te {request}: TE {request} is not prepared here (prepared: {have}); prepare it with "
+                   f"`attn-doctor te add {request}` (or `--from DIR` with its wheels), or pick a prepared one")
+
+
+def core_package(cuda: str | None) -> str:
+    """TE's core package for this torch's CUDA major: "transformer-engine-cu13"."""
+    major = (cuda or "").split(".")[0]
+    if not major.isdigit():
+        raise BadInput("attn-doctor te add: this torch has no CUDA (torch.version.cuda is None); TE needs a CUDA "
+                       "build of torch")
+    return f"transformer-engine-cu{major}"
+
+
+def pip_command(version: str, target: Path, wheels: Path | None, cuda: str | None) -> list[str]:
+    """pip, installing TE's three packages of `version` into `target` alone: no dependencies (torch and the rest
+    are this environment's), the torch extension built against this torch (no build isolation), from `wheels` only
+    when given (a machine with no package index), else from the index."""
+    source = ["--no-index", "--find-links", str(wheels)] if wheels is not None else []
+    return [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+            "--no-build-isolation", "--target", str(target), *source,
+            f"transformer-engine=={version}", f"{core_package(cuda)}=={version}",
+            f"transformer-engine-torch=={version}"]
+
+
+def build_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """TE's build of its torch extension: for PyTorch only, on every core unless the user said otherwise."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("NVTE_FRAMEWORK", "pytorch")
+    env.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    return env
+
+
+def last_error_line(text: str) -> str:
+    """The line of a failed build or import that says why: its last line naming an error, else its last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.search(r"error|Error|ERROR|No matching distribution|not found", line):
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+Runner = Callable[[list[str], dict[str, str]], subprocess.CompletedProcess]
+
+
+def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+
+
+def add(version: str, wheels: Path | None = None, home: Path | None = None, runner: Runner = _run,
+        on_step: Callable[[str], None] | None = None) -> tuple[TEInstall, bool]:
+    """Prepare TE `version` under `home` (see the module): (the install, whether it was made now: False when it
+    was already prepared). BadInput, with nothing left behind, when pip or the check fails."""
+    import torch
+
+    version = version.strip()
+    if not VERSION.match(version):
+        raise BadInput(f"attn-doctor te add: {version!r} is not a TE version; give one like 2.18.0")
+    if wheels is not None and not wheels.is_dir():
+        raise BadInput(f"attn-doctor te add --from {wheels}: not a folder; give the folder holding TE's wheels and "
+                       "its transformer-engine-torch source distribution")
+    home = te_home() if home is None else home
+    for install in find_installs(home):
+        if install.version == version:
+            return install, False
+    step = on_step or (lambda text: None)
+    partial = home / f".partial-{version}-{os.getpid()}"
+    final = home / version
+    if final.exists():
+        raise BadInput(f"attn-doctor te add: {final} exists but is not a finished install; remove it and run again")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / SITE).mkdir(parents=True)
+        step(f"installing TE {version} into {final} (building its torch extension: minutes)")
+        done = runner(pip_command(version, partial / SITE, wheels, torch.version.cuda), build_environment())
+        if done.returncode != 0:
+            raise BadInput(f"attn-doctor te add {version}: pip could not install it for torch {torch.__version__}: "
+                           f"{last_error_line(done.stderr + done.stdout)} (check that TE {version} exists for CUDA "
+                           f"{torch.version.cuda}; without a package index, give --from DIR holding its packages)")
+        step("checking it imports")
+        checked = runner([sys.executable, "-c", CHECK, str(partial / SITE)], dict(os.environ))
+        facts = _checked(checked)
+        if facts is None or facts.get("version") != version or not facts.get("from_site"):
+            why = (last_error_line(checked.stderr + checked.stdout) if facts is None else
+                   f"it imported TE {facts.get('version')} from "
+                   f"{'its folder' if facts.get('from_site') else 'elsewhere'}, not {version} from its folder")
+            raise BadInput(f"attn-doctor te add {version}: the install does not import: {why}")
+        install = TEInstall(version, str(final), str(facts.get("torch", "")), str(facts.get("cuda") or ""),
+                            str(facts.get("python", "")))
+        record = {key: value for key, value in install.to_dict().items() if key != "directory"}
+        (partial / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        partial.rename(final)
+        return install, True
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone after the rename; what a failure left otherwise
+
+
+def _checked(done: subprocess.CompletedProcess) -> dict | None:
+    if done.returncode != 0:
+        return None
+    for line in reversed(done.stdout.splitlines()):
+        try:
+            facts = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(facts, dict):
+            return facts
+    return None
+
+
+def use_prepared_release(environ: Mapping[str, str] | None = None) -> str | None:
+    """In a worker, before TE is imported: the prepared release's folder (SITE_VARIABLE) first on the import
+    path, so that `import transformer_engine` finds it before the environment's own; the folder, or None."""
+    site = (os.environ if environ is None else environ).get(SITE_VARIABLE)
+    if site and site not in sys.path:
+        sys.path.insert(0, site)
+    return site or None
+
+
+def release_not_honoured(wanted: TEInstall, imported_version: str | None, imported_file: str | None) -> str | None:
+    """Why the TE a worker imported is not the release asked for (another version, or the environment's copy
+    rather than the release's folder); None when it is."""
+    where = imported_file or "nowhere"
+    if not imported_file or not str(Path(imported_file).resolve()).startswith(str(Path(wanted.site).resolve())):
+        return f"asked for TE {wanted.version} from {wanted.site}, imported TE {imported_version or '?'} from {where}"
+    if imported_version != wanted.version:
+        return f"asked for TE {wanted.version}, its folder holds TE {imported_version or '?'}"
+    return None
+
+
+def installs_fact(installs: Iterable[TEInstall] | None = None, home: Path | None = None) -> tuple[str | None, str]:
+    """(value, note) for the fingerprint: the installs' labels, or None and where none was found."""
+    home = te_home() if home is None else home
+    found = list(find_installs(home) if installs is None else installs)
+    if not found:
+        return None, f"none prepared in {home} (attn-doctor te add VERSION)"
+    return "; ".join(install.label() for install in found), f"in {home}"

@@ -1,0 +1,203 @@
+"""TE releases prepared side by side (`attn_doctor/machine/te_installs.py`, `attn-doctor te`), and `--te` choosing
+one: discovery, the refusal, an install that fails leaving nothing behind, what a worker imported read back. Fake
+installs stand in for TE (a folder with an install record and a stand-in `transformer_engine` package); the real
+releases on a GPU are in reports/."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from attn_doctor.core.errors import BadInput
+from attn_doctor.machine import te_installs
+from attn_doctor.machine.te_installs import TEInstall, find_installs, resolve
+from cli_checks import one_line_error
+
+
+def _fake_te(site: Path, version: str) -> None:
+    """A stand-in `transformer_engine` of `version` in `site` (what pip would have put there)."""
+    package = site / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    (package / "pytorch" / "__init__.py").write_text("")
+
+
+def _prepared(home: Path, version: str, torch_version: str = "2.11.0+cu130") -> TEInstall:
+    folder = home / version
+    _fake_te(folder / "site", version)
+    (folder / "install.json").write_text(json.dumps({"version": version, "torch": torch_version, "cuda": "13.0",
+                                                     "python": "3.12.3"}))
+    return TEInstall(version, str(folder), torch_version, "13.0", "3.12.3")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    folder = tmp_path / "te-home"
+    folder.mkdir()
+    monkeypatch.setenv(te_installs.HOME_VARIABLE, str(folder))
+    return folder
+
+
+def test_the_prepared_releases_are_found_and_half_made_or_unreadable_folders_are_not(home):
+    _prepared(home, "2.20.2")
+    _prepared(home, "2.9.0")
+    (home / ".partial-2.18.0-99" / "site").mkdir(parents=True)  # being made, or left by a failure
+    (home / "2.17.0" / "site").mkdir(parents=True)  # no record
+    (home / "2.16.0").mkdir()
+    (home / "2.16.0" / "install.json").write_text("{not json")
+    assert [install.version for install in find_installs()] == ["2.9.0", "2.20.2"]  # by version, not by name
+    assert find_installs(home / "nowhere") == []
+    value, note = te_installs.installs_fact()
+    assert "2.9.0 (built for torch 2.11.0+cu130, CUDA 13.0" in value and str(home) in note
+    assert te_installs.installs_fact(home=home / "nowhere")[0] is None
+
+
+def test_a_release_not_prepared_is_refused_naming_those_that_are(home):
+    installs = [_prepared(home, "2.20.2")]
+    assert resolve("2.20.2", installs).version == "2.20.2"
+    with pytest.raises(BadInput) as refused:
+        resolve("2.18.0", installs)
+    assert "prepared: 2.20.2" in str(refused.value) and "attn-doctor te add 2.18.0" in str(refused.value)
+    with pytest.raises(BadInput, match=r"prepared: none"):
+        resolve("2.18.0", [])
+
+
+def test_pip_installs_the_three_packages_into_their_folder_alone_from_the_given_wheels(tmp_path):
+    command = te_installs.pip_command("2.18.0", tmp_path / "site", tmp_path / "wheels", "13.0")
+    assert command[:3] == [sys.executable, "-m", "pip"]
+    for word in ("--no-deps", "--no-build-isolation", "--no-index", "--target", str(tmp_path / "site"),
+                 str(tmp_path / "wheels"), "transformer-engine==2.18.0", "transformer-engine-cu13==2.18.0",
+                 "transformer-engine-torch==2.18.0"):
+        assert word in command
+    assert "--no-index" not in te_installs.pip_command("2.18.0", tmp_path / "site", None, "12.8")
+    assert "transformer-engine-cu12==2.18.0" in te_installs.pip_command("2.18.0", tmp_path, None, "12.8")
+    with pytest.raises(BadInput, match="no CUDA"):
+        te_installs.core_package(None)
+
+
+def _runner(version_installed: str, pip_fails: str | None = None):
+    """pip stood in (it writes a stand-in TE of `version_installed`, or fails with `pip_fails`); the import check
+    run for real, in a fresh interpreter."""
+    def run(command, env):
+        if command[1:3] == ["-m", "pip"]:
+            if pip_fails:
+                return subprocess.CompletedProcess(command, 1, "", f"Collecting x\n{pip_fails}\n")
+            _fake_te(Path(command[command.index("--target") + 1]), version_installed)
+            return subprocess.CompletedProcess(command, 0, "", "")
+        return subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    return run
+
+
+def test_an_install_is_checked_by_importing_it_and_recorded_with_what_it_was_built_against(home, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    install, made = te_installs.add("2.18.0", home=home, runner=_runner("2.18.0"))
+    assert made and install.version == "2.18.0" and install.torch == torch.__version__
+    assert Path(install.site, "transformer_engine").is_dir()
+    assert json.loads((home / "2.18.0" / "install.json").read_text())["torch"] == torch.__version__
+    assert [p.name for p in home.iterdir()] == ["2.18.0"]  # nothing half-made beside it
+    again, made = te_installs.add("2.18.0", home=home, runner=_runner("9.9.9"))
+    assert not made and again == find_installs(home)[0]
+
+
+@pytest.mark.parametrize("failure", ["pip", "import"])
+def test_an_install_that_fails_is_refused_with_its_last_error_line_and_leaves_nothing(home, monkeypatch, failure):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    runner = (_runner("2.18.0", pip_fails="ERROR: Failed building wheel for transformer-engine-torch")
+              if failure == "pip" else _runner("2.17.0"))  # the folder holds another version than asked
+    with pytest.raises(BadInput) as refused:
+        te_installs.add("2.18.0", home=home, runner=runner)
+    said = str(refused.value)
+    if failure == "pip":
+        assert "Failed building wheel for transformer-engine-torch" in said and torch.__version__ in said
+    else:
+        assert "imported TE 2.17.0" in said
+    assert list(home.iterdir()) == [] and find_installs(home) == []
+
+
+def test_te_add_on_the_command_line_refuses_in_one_line_and_te_list_and_env_show_the_prepared(
+        home, tmp_path, monkeypatch, run_cli):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    result = run_cli(["te", "add", "2.18.0", "--from", str(empty)])  # real pip, no index, no wheels: it fails
+    line = one_line_error(result)
+    assert result.exit_code == 2 and "attn-doctor te add 2.18.0: pip could not install it" in line
+    assert list(home.iterdir()) == []
+    assert run_cli(["te", "add", "two"]).exit_code == 2
+    listed = run_cli(["te", "list"])
+    assert listed.exit_code == 0 and "No TE release prepared" in listed.output
+    _prepared(home, "2.20.2")
+    assert "TE 2.20.2 (built for torch 2.11.0+cu130" in run_cli(["te", "list"]).output
+    shown = run_cli(["env", "--json", "--no-te"])
+    assert "2.20.2 (built for torch" in json.loads(shown.output)["te_installs"]["value"]
+
+
+def test_te_picks_the_release_each_te_path_runs_and_names_the_rows_for_it(home, run_cli, tmp_path):
+    from attn_doctor.backends import process_of, select, selector
+
+    _prepared(home, "2.18.0")
+    _prepared(home, "2.20.2")
+    specs = select(["te.fused", "local"], te="2.18.0,2.20.2", cudnn=None)
+    assert [spec.name for spec in specs] == ["te.fused@te-2.18.0", "te.fused@te-2.20.2", "local"]
+    key, environment = process_of(specs[0])
+    assert key == "te with TE 2.18.0" and environment[te_installs.SITE_VARIABLE] == str(home / "2.18.0" / "site")
+    assert process_of(specs[2]) == ("local", {})
+    assert selector(specs[0]) == "--backend te.fused --te 2.18.0"
+    with pytest.raises(BadInput, match="none is selected"):
+        select(["local"], te="2.18.0")
+    refused = run_cli(["run", "--te", "2.17.0", "--backend", "te.fused", "--device", "cpu"])
+    assert refused.exit_code == 2 and "prepared: 2.18.0, 2.20.2" in one_line_error(refused)
+    out = tmp_path / "run.json"
+    ran = run_cli(["run", "--te", "2.18.0", "--backend", "te.fused", "--backend", "local", "--device", "cpu",
+                   "--batch", "1", "--seq", "32", "--heads", "2", "--head-dim", "16", "--json", str(out)])
+    assert ran.exit_code == 0, ran.output
+    rows = json.loads(out.read_text())["results"]
+    assert {row["backend"] for row in rows} == {"te.fused@te-2.18.0", "local"}
+    assert next(row for row in rows if row["backend"] == "te.fused@te-2.18.0")["verdict"] == "SKIP"  # on the CPU
+
+
+def test_a_worker_puts_the_release_first_on_its_path_and_reads_back_what_it_imported(tmp_path, monkeypatch):
+    install = TEInstall("2.18.0", str(tmp_path / "2.18.0"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert te_installs.use_prepared_release({te_installs.SITE_VARIABLE: install.site}) == install.site
+    assert sys.path[0] == install.site
+    assert te_installs.use_prepared_release({}) is None
+    inside = str(Path(install.site) / "transformer_engine" / "__init__.py")
+    assert te_installs.release_not_honoured(install, "2.18.0", inside) is None
+    assert "imported TE 2.20.2 from /usr/lib" in te_installs.release_not_honoured(
+        install, "2.20.2", "/usr/lib/python3/transformer_engine/__init__.py")
+    assert "its folder holds TE 2.17.0" in te_installs.release_not_honoured(install, "2.17.0", inside)
+
+
+def test_a_te_path_whose_worker_imported_another_release_is_a_skip_saying_so(monkeypatch, tmp_path):
+    from attn_doctor.backends import BackendSpec, te as te_backend
+
+    install = TEInstall("2.18.0", str(tmp_path / "2.18.0"))
+    spec = BackendSpec("te.fused@te-2.18.0", "te", {"path": "fused", "te": install.to_dict()})
+    monkeypatch.setattr(te_backend, "_import_error", None)
+    monkeypatch.setattr(te_backend, "_te_facts", {"te": "2.20.2", "te_cudnn": None, "te_cudnn_libraries": []})
+    monkeypatch.setitem(sys.modules, "transformer_engine",
+                        types.SimpleNamespace(__file__="/env/site-packages/transformer_engine/__init__.py"))
+    with pytest.raises(te_backend.Unsupported, match="--te not honoured: asked for TE 2.18.0"):
+        te_backend.TEAttention(spec)
+
+
+def test_a_known_defect_s_te_versions_are_checked_on_the_release_the_row_ran_not_the_machine_s():
+    """A rule with `te = "<2.19"` holds for a `--te 2.18.0` row on a machine whose own TE is 2.20.2, and not for
+    that machine's own rows."""
+    from attn_doctor.known_defects.conditions import CONDITIONS
+    from attn_doctor.known_defects.facts import Facts, MatchContext
+    from attn_doctor.machine.fingerprint import EnvReport, Fact
+
+    env = EnvReport.from_dict({"te": {"value": "2.20.2"}})
+    check = next(condition for condition in CONDITIONS if condition.key == "te").check
+    own = Facts(env, MatchContext.from_env(env, te="2.18.0"), None, {"te": "<2.19"})
+    machine = Facts(env, MatchContext.from_env(env), None, {"te": "<2.19"})
+    assert check("<2.19", own).matched and "the path's own" in check("<2.19", own).label
+    assert not check("<2.19", machine).matched
