@@ -530,6 +530,19 @@ def test_markdown_and_html_state_the_same_builds(tmp_path, report_of, no_known):
     assert "<strong>Builds:</strong> " + sentence.replace("'", "&#x27;") in html
 
 
+def test_rows_on_two_te_releases_are_not_taken_for_two_cudnn_builds_of_one():
+    """The 9.19.0 row ran another TE release (`--te`): its pass says nothing of the 9.14.0 row's cuDNN."""
+    from attn_doctor.render.report_data import row_builds
+
+    report = RunReport.from_dict(json.loads(TWO_BUILDS.read_text()))
+    failing = next(r for r in report.rows if r.backend == "te.fused@cudnn-9.14.0" and r.verdict == "FAIL")
+    assert row_builds(failing, report.rows, env=report.env).elsewhere.startswith("fails with cuDNN 9.14.0")
+    for row in report.rows:
+        if row.backend == "te.fused@cudnn-9.19.0":
+            row.extra["te"] = "2.20.2"
+    assert row_builds(failing, report.rows, env=report.env).elsewhere == ""
+
+
 def test_a_path_that_reads_back_no_cudnn_is_not_given_one_it_did_not_use():
     from attn_doctor.render.report_data import row_builds
 

@@ -23,7 +23,7 @@ from cli_checks import one_line_error
 def _fake_te(site: Path, version: str) -> None:
     """A stand-in `transformer_engine` of `version` in `site` (what pip would have put there)."""
     package = site / "transformer_engine"
-    (package / "pytorch").mkdir(parents=True)
+    (package / "pytorch").mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(f'__version__ = "{version}"\n')
     (package / "pytorch" / "__init__.py").write_text("")
 
@@ -68,15 +68,22 @@ def test_a_release_not_prepared_is_refused_naming_those_that_are(home):
         resolve("2.18.0", [])
 
 
-def test_pip_installs_the_three_packages_into_their_folder_alone_from_the_given_wheels(tmp_path):
-    command = te_installs.pip_command("2.18.0", tmp_path / "site", tmp_path / "wheels", "13.0")
-    assert command[:3] == [sys.executable, "-m", "pip"]
-    for word in ("--no-deps", "--no-build-isolation", "--no-index", "--target", str(tmp_path / "site"),
-                 str(tmp_path / "wheels"), "transformer-engine==2.18.0", "transformer-engine-cu13==2.18.0",
-                 "transformer-engine-torch==2.18.0"):
-        assert word in command
-    assert "--no-index" not in te_installs.pip_command("2.18.0", tmp_path / "site", None, "12.8")
-    assert "transformer-engine-cu12==2.18.0" in te_installs.pip_command("2.18.0", tmp_path, None, "12.8")
+def test_pip_installs_the_release_into_its_folder_alone_its_extension_built_against_its_own_core(tmp_path):
+    site = tmp_path / "partial" / "site"
+    core, build, extension = te_installs.pip_commands("2.18.0", site, tmp_path / "wheels", "13.0")
+    for command in (core, build, extension):
+        assert command[:3] == [sys.executable, "-m", "pip"] and "--no-deps" in command
+    assert core[3] == "install" and core[core.index("--target") + 1] == str(site)
+    assert {"transformer-engine==2.18.0", "transformer-engine-cu13==2.18.0"} <= set(core)
+    assert "--no-index" in core and str(tmp_path / "wheels") in core
+    assert build[3] == "wheel" and "--no-build-isolation" in build and "transformer-engine-torch==2.18.0" in build
+    built = build[build.index("--wheel-dir") + 1]
+    assert extension[extension.index("--find-links") + 1] == built and "--target" in extension
+    assert all("--no-index" not in command for command in te_installs.pip_commands("2.18.0", site, None, "12.8")[:2])
+    assert "transformer-engine-cu12==2.18.0" in te_installs.pip_commands("2.18.0", site, None, "12.8")[0]
+    environment = te_installs.build_environment(site, {"PYTHONPATH": "/elsewhere"})
+    assert environment["PYTHONPATH"] == f"{site}:/elsewhere"  # the release's core first, for the build
+    assert environment["NVTE_PYTORCH_FORCE_BUILD"] == "TRUE" and environment["NVTE_FRAMEWORK"] == "pytorch"
     with pytest.raises(BadInput, match="no CUDA"):
         te_installs.core_package(None)
 
@@ -86,9 +93,10 @@ def _runner(version_installed: str, pip_fails: str | None = None):
     run for real, in a fresh interpreter."""
     def run(command, env):
         if command[1:3] == ["-m", "pip"]:
-            if pip_fails:
-                return subprocess.CompletedProcess(command, 1, "", f"Collecting x\n{pip_fails}\n")
-            _fake_te(Path(command[command.index("--target") + 1]), version_installed)
+            if pip_fails and command[3] == "wheel":  # the extension's build, as it fails
+                return subprocess.CompletedProcess(command, 1, "", f"Building x\n{pip_fails}\n")
+            if "--target" in command:
+                _fake_te(Path(command[command.index("--target") + 1]), version_installed)
             return subprocess.CompletedProcess(command, 0, "", "")
         return subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     return run
@@ -201,3 +209,58 @@ def test_a_known_defect_s_te_versions_are_checked_on_the_release_the_row_ran_not
     machine = Facts(env, MatchContext.from_env(env), None, {"te": "<2.19"})
     assert check("<2.19", own).matched and "the path's own" in check("<2.19", own).label
     assert not check("<2.19", machine).matched
+
+
+def test_bisect_takes_the_te_release_as_a_knob_and_says_where_it_is_fixed(home):
+    """A TE path wrong on 2.18.0 and right on 2.20.2: the release is a necessary condition, and the bisect's record
+    says "fixed by 2.20.2"; wrong on both, it says it is reproduced with each. The probe's record keeps the
+    release, so a document read back rebuilds the same path."""
+    from attn_doctor.backends import select
+    from attn_doctor.bisect import knobs
+    from attn_doctor.bisect.engine import Bisector, Outcome, valid_config
+    from attn_doctor.core.case import make_case
+    from attn_doctor.core.coords import knob_dict
+    from attn_doctor.results.bisect_record import BisectRecord, _coords
+
+    _prepared(home, "2.18.0")
+    _prepared(home, "2.20.2")
+    knobs._te_releases.cache_clear()
+    (spec,) = select(["te.fused"], te="2.18.0")
+
+    def probe(coords):
+        fixed = coords.backend.options["te"]["version"] == "2.20.2"
+        return Outcome("PASS") if fixed else Outcome("FAIL", "dq: error 0.05", ("dq",))
+
+    start = knobs.coords_at(make_case(batch=1, seq=4, heads=1, head_dim=8, dtype="fp32", mask="none"), backend=spec)
+    result = Bisector(probe, valid=valid_config).run(start)
+    assert {(c.knob, c.failing_value, c.passing_value) for c in result.necessary} == {("te", "2.18.0", "2.20.2")}
+    record = BisectRecord(None, result.start, result.minimal, result.necessary, result.steps, {}, "", None, [], None)
+    assert record.te_sentence() == "fails with TE 2.18.0, passes with 2.20.2: fixed by 2.20.2"
+    assert _coords(knob_dict(result.minimal), select(["te.fused"])[0]).backend.name == "te.fused@te-2.18.0"
+    everywhere = Bisector(lambda c: Outcome("FAIL", "dq: error 0.05", ("dq",)), valid=valid_config).run(start)
+    assert all(c.knob != "te" for c in everywhere.necessary)
+    record = BisectRecord(None, everywhere.start, everywhere.minimal, everywhere.necessary, everywhere.steps, {}, "",
+                          None, [], None)
+    assert record.te_sentence() == "reproduced with TE 2.18.0 and 2.20.2"
+    knobs._te_releases.cache_clear()
+
+
+def test_a_worker_on_a_prepared_release_does_not_speak_for_the_machine():
+    from attn_doctor.execution.pool import Worker
+    from attn_doctor.execution.session import Session
+
+    on_release = Worker("te", "cuda", 1.0, {te_installs.SITE_VARIABLE: "/somewhere/2.18.0/site"})
+    on_release.hello = {"family": "te", "pid": 1, "te_facts": {"te": "2.18.0"}}
+    session = Session("cuda")
+    session.workers = {"te with TE 2.18.0": [on_release]}
+    assert session.facts == {}
+
+
+def test_a_release_and_a_cudnn_build_together_keep_both_in_the_name():
+    from attn_doctor.backends import BackendSpec, on_release, without_build
+
+    spec = BackendSpec("te.fused@cudnn-9.19.0", "te", {"path": "fused", "cudnn": {"version": "9.19.0"}})
+    both = on_release(spec, TEInstall("2.18.0", "/x/2.18.0"))
+    assert both.name == "te.fused@te-2.18.0@cudnn-9.19.0" and both.options["cudnn"] == {"version": "9.19.0"}
+    assert without_build(both.name) == "te.fused"
+    assert on_release(both, TEInstall("2.20.2", "/x/2.20.2")).name == "te.fused@te-2.20.2@cudnn-9.19.0"

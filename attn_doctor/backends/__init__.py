@@ -80,7 +80,8 @@ def with_te(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpec]:
 
 def on_release(spec: BackendSpec, install) -> BackendSpec:
     """`spec` (one of TE's paths) on the prepared TE release `install` (a `TEInstall`), named for it."""
-    return BackendSpec(f"{without_build(spec.name)}{TE_MARK}{install.version}", spec.family,
+    path, mark, build = spec.name.partition(CUDNN_MARK)  # a cuDNN build chosen too keeps its part of the name
+    return BackendSpec(f"{path.split(TE_MARK)[0]}{TE_MARK}{install.version}{mark}{build}", spec.family,
                        {**spec.options, "te": install.to_dict()})
 
 

@@ -156,6 +156,36 @@ def _other_cudnn_builds(coords: Coords) -> list:
     return [build for build in _cudnn_builds() if build.directory != current]
 
 
+@functools.cache
+def _te_releases() -> tuple:
+    from attn_doctor.machine.te_installs import find_installs
+
+    return tuple(find_installs())
+
+
+def _te_value(coords: Coords) -> str:
+    release = coords.backend.options.get("te")
+    return release["version"] if release else "as installed"
+
+
+def _other_te_releases(coords: Coords) -> list:
+    """The prepared TE releases (`attn-doctor te add`) other than the one TE's path runs on."""
+    from attn_doctor.backends import backend_class
+
+    if coords.backend.family == ANY_BACKEND.family or not backend_class(coords.backend).loads_cudnn:
+        return []
+    current = (coords.backend.options.get("te") or {}).get("version")
+    return [install for install in _te_releases() if install.version != current]
+
+
+def _set_te(coords: Coords, release: Any) -> Coords:
+    from attn_doctor.backends import on_release
+    from attn_doctor.machine.te_installs import resolve
+
+    release = resolve(release, list(_te_releases())) if isinstance(release, str) else release
+    return dataclasses.replace(coords, backend=on_release(coords.backend, release))
+
+
 def _set_cudnn(coords: Coords, build: Any) -> Coords:
     from attn_doctor.backends import on_build
     from attn_doctor.machine.cudnn_builds import resolve
@@ -209,6 +239,7 @@ CATEGORICAL: tuple[Categorical, ...] = (
                 lambda c: list(INPUTS_PLAINEST_FIRST[:INPUTS_PLAINEST_FIRST.index(c.case.inputs)]),
                 lambda c, v: _with_case(c, inputs=v)),
     # The cuDNN build TE's process loads: "fails with 9.14.0, passes with 9.19.0" is a condition like any other.
+    Categorical("te", _te_value, _other_te_releases, _set_te, adopt=False),
     Categorical("cudnn", _cudnn_value, _other_cudnn_builds, _set_cudnn, adopt=False),
 )
 

@@ -262,9 +262,11 @@ def coords_at(case: Case, layout: str = "contiguous", tp: int = 1, layers: int =
 
 def knob_dict(coords: Coords) -> dict:
     """The values of bisect's knobs: what a bisect document records of a probe (and what names its repro),
-    with the cuDNN build asked for where one was (`--cudnn`, or bisect's cudnn knob)."""
-    cudnn = coords.backend.options.get("cudnn")
+    with the TE release and the cuDNN build asked for where they were (`--te`, `--cudnn`, or bisect's te and
+    cudnn knobs)."""
+    cudnn, release = coords.backend.options.get("cudnn"), coords.backend.options.get("te")
     return {"case": coords.case.to_dict(), "layout": coords.layout, "tp": coords.tp, "layers": coords.layers,
+            **({"te": dict(release)} if release else {}),
             # as JSON holds it: a build made here has tuples where the same build read back has lists
             **({"cudnn": json.loads(json.dumps(cudnn))} if cudnn else {})}
 

@@ -189,14 +189,16 @@ class Session:
     @property
     def facts(self) -> dict:
         """What the workers' libraries reported when they started (e.g. {"te_facts": ...}): only workers started as
-        the machine is, never one asked to load a cuDNN build (its TE reports that build, not what the machine
-        loads; each row says what it ran on). None such: {} (the fingerprint probes TE in a process of its own)."""
+        the machine is, never one asked to load a cuDNN build or a prepared TE release (its TE reports that build or
+        release, not the machine's; each row says what it ran on). None such: {} (the fingerprint probes TE in a
+        process of its own)."""
         from attn_doctor.machine.cudnn_builds import WANTED_BUILD
+        from attn_doctor.machine.te_installs import SITE_VARIABLE
 
         found: dict = {}
         for family in self.workers.values():
             for worker in family:
-                if WANTED_BUILD not in worker.environment:
+                if WANTED_BUILD not in worker.environment and SITE_VARIABLE not in worker.environment:
                     found.update({k: v for k, v in (worker.hello or {}).items() if k not in ("family", "pid")})
         return found
 

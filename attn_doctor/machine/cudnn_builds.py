@@ -202,15 +202,15 @@ def version_order(version: str | None) -> tuple:
     return tuple(int(p) if p.isdigit() else 0 for p in version.split(".")) if version else (10**9,)
 
 
-def builds_sentence(failing: list[str], passing: list[str]) -> str:
+def builds_sentence(failing: list[str], passing: list[str], library: str = "cuDNN") -> str:
     """"fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0", "reproduced with cuDNN 9.14.0 and 9.19.0",
-    or "" when one build alone was seen (`failing` and `passing` oldest first)."""
+    or "" when one build alone was seen (`failing` and `passing` oldest first); `library` "TE" for releases."""
     if failing and passing:
         newer = [p for p in passing if all(version_order(p) > version_order(f) for f in failing)]
-        return (f"fails with cuDNN {', '.join(failing)}, passes with {', '.join(passing)}"
+        return (f"fails with {library} {', '.join(failing)}, passes with {', '.join(passing)}"
                 + (f": fixed by {newer[0]}" if newer else ""))
     if len(failing) > 1:
-        return f"reproduced with cuDNN {', '.join(failing[:-1])} and {failing[-1]}"
+        return f"reproduced with {library} {', '.join(failing[:-1])} and {failing[-1]}"
     return ""
 
 

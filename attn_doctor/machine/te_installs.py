@@ -3,8 +3,9 @@ user's environment, and found again (`find_installs`, which never raises: a fold
 
 An install is a folder `<home>/<version>/` (home: $ATTN_DOCTOR_TE_HOME, else ~/.cache/attn-doctor/te) holding
 `site/`, where pip put TE's three packages (`transformer-engine`, the pure-Python part; `transformer-engine-cuNN`,
-the core library for this torch's CUDA major; `transformer-engine-torch`, the torch extension, built here against
-this very torch, published as a source distribution only), and `install.json`: the version, and what the install
+the core library for this torch's CUDA major; `transformer-engine-torch`, the torch extension, published as a source
+distribution only and built here against this very torch and the release's own core, its wheel kept in `built/`),
+and `install.json`: the version, and what the install
 was built against and checked with (torch, its CUDA, Python), read back from a fresh interpreter that imported it.
 An install is made in a hidden folder beside the others and renamed into place only once that check passed, so a
 failed or interrupted one leaves nothing that `find_installs` would take for an install.
@@ -55,6 +56,9 @@ class TEInstall:
     torch: str = ""
     cuda: str = ""
     python: str = ""
+
+    def __str__(self) -> str:
+        return self.version
 
     @property
     def site(self) -> str:
@@ -122,22 +126,37 @@ def core_package(cuda: str | None) -> str:
     return f"transformer-engine-cu{major}"
 
 
-def pip_command(version: str, target: Path, wheels: Path | None, cuda: str | None) -> list[str]:
-    """pip, installing TE's three packages of `version` into `target` alone: no dependencies (torch and the rest
-    are this environment's), the torch extension built against this torch (no build isolation), from `wheels` only
-    when given (a machine with no package index), else from the index."""
+def pip_commands(version: str, target: Path, wheels: Path | None, cuda: str | None) -> list[list[str]]:
+    """pip, in three steps: TE's pure-Python package and its core library for this torch's CUDA into `target`;
+    the torch extension's source distribution built into a wheel beside it (`target`'s parent, "built"), against
+    this torch (no build isolation) and this release's core (`build_environment` puts `target` first on the path);
+    that wheel into `target`. No dependencies (torch and the rest are this environment's); from `wheels` only when
+    given (a machine with no package index), else from the index."""
     source = ["--no-index", "--find-links", str(wheels)] if wheels is not None else []
-    return [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-            "--no-build-isolation", "--target", str(target), *source,
-            f"transformer-engine=={version}", f"{core_package(cuda)}=={version}",
-            f"transformer-engine-torch=={version}"]
+    pip = [sys.executable, "-m", "pip"]
+    quiet = ["--quiet", "--disable-pip-version-check", "--no-deps"]
+    built = target.parent / "built"
+    return [
+        [*pip, "install", *quiet, "--target", str(target), *source,
+         f"transformer-engine=={version}", f"{core_package(cuda)}=={version}"],
+        [*pip, "wheel", *quiet, "--no-build-isolation", "--no-binary", "transformer-engine-torch", "--wheel-dir",
+         str(built), *source, f"transformer-engine-torch=={version}"],
+        [*pip, "install", *quiet, "--target", str(target), "--no-index", "--find-links", str(built),
+         f"transformer-engine-torch=={version}"],
+    ]
 
 
-def build_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """TE's build of its torch extension: for PyTorch only, on every core unless the user said otherwise."""
+def build_environment(site: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment pip runs in: the release's own folder first on the path (its core is what the extension
+    is built against), the extension built from source (TE's setup would otherwise try to fetch a prebuilt wheel)
+    for PyTorch only, on every core, with CUDA's toolkit where it usually is, unless the user said otherwise."""
     env = dict(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = str(site) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("NVTE_FRAMEWORK", "pytorch")
+    env.setdefault("NVTE_PYTORCH_FORCE_BUILD", "TRUE")
     env.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    if "CUDA_HOME" not in env and Path("/usr/local/cuda").is_dir():
+        env["CUDA_HOME"] = "/usr/local/cuda"
     return env
 
 
@@ -182,11 +201,14 @@ def add(version: str, wheels: Path | None = None, home: Path | None = None, runn
         shutil.rmtree(partial, ignore_errors=True)
         (partial / SITE).mkdir(parents=True)
         step(f"installing TE {version} into {final} (building its torch extension: minutes)")
-        done = runner(pip_command(version, partial / SITE, wheels, torch.version.cuda), build_environment())
-        if done.returncode != 0:
-            raise BadInput(f"attn-doctor te add {version}: pip could not install it for torch {torch.__version__}: "
-                           f"{last_error_line(done.stderr + done.stdout)} (check that TE {version} exists for CUDA "
-                           f"{torch.version.cuda}; without a package index, give --from DIR holding its packages)")
+        environment = build_environment(partial / SITE)
+        for command in pip_commands(version, partial / SITE, wheels, torch.version.cuda):
+            done = runner(command, environment)
+            if done.returncode != 0:
+                raise BadInput(f"attn-doctor te add {version}: pip could not install it for torch "
+                               f"{torch.__version__}: {last_error_line(done.stderr + done.stdout)} (check that TE "
+                               f"{version} exists for CUDA {torch.version.cuda}; without a package index, give --from "
+                               "DIR holding its packages)")
         step("checking it imports")
         checked = runner([sys.executable, "-c", CHECK, str(partial / SITE)], dict(os.environ))
         facts = _checked(checked)

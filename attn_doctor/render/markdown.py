@@ -208,6 +208,7 @@ def bisect_lines(bisect: BisectRecord) -> list[str]:
         lines += [f"- {escape(c.sentence())}" for c in bisect.changes]
     lines.append("")
     facts = [("First wrong", bisect.diagnosis.get("first_wrong")),
+             ("TE releases", bisect.te_sentence()),
              ("cuDNN builds", bisect.cudnn_sentence()),
              ("Checked on a correct path", bisect.diagnosis.get("minimal_case_checked")),
              ("Standalone repro", bisect.repro_name + ("" if bisect.repro is not None else

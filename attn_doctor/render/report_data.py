@@ -205,7 +205,8 @@ def row_builds(row: Row, rows: list[Row], bisect: BisectRecord | None = None,
         for other in rows:
             seen = other.extra.get("cudnn")
             if (without_build(other.backend) == path and other.case.key() == row.case.key()
-                    and other.layout == row.layout and seen and other.verdict in (PASS, FAIL, "ERROR")):
+                    and other.layout == row.layout and other.extra.get("te") == row.extra.get("te")  # one release
+                    and seen and other.verdict in (PASS, FAIL, "ERROR")):
                 outcomes.setdefault("pass" if other.verdict == PASS else "fail", set()).add(str(seen))
         failing, passing = outcomes.get("fail", set()), outcomes.get("pass", set())
         elsewhere = builds_sentence(sorted(failing - passing, key=version_order),

@@ -130,6 +130,28 @@ class BisectRecord:
                 step.tried.removesuffix(ON_MINIMAL))
         return sorted(failing - passing, key=version_order), sorted(passing - failing, key=version_order)
 
+    def te_releases(self) -> tuple[list[str], list[str]]:
+        """(failing, passing): the TE releases the bisect saw the failure on and those it passed on (bisect's te
+        knob), oldest first; ([], []) when it tried no other release."""
+        tried = [step for step in self.probes if step.knob == "te" and step.verdict in ("PASS", "FAIL", "ERROR")]
+        if not tried:
+            return [], []
+        start = self.start.backend.options.get("te")
+        first = start.get("version") if start else None
+        if first is None and self.env is not None and self.env.te.value:
+            first = self.env.te.value.split()[0]
+        failing = {first} if first else set()
+        passing: set[str] = set()
+        for step in tried:
+            (failing if step.fails else passing if step.verdict == "PASS" else set()).add(
+                step.tried.removesuffix(ON_MINIMAL))
+        return sorted(failing - passing, key=version_order), sorted(passing - failing, key=version_order)
+
+    def te_sentence(self) -> str:
+        """"fails with TE 2.18.0, passes with 2.20.2: fixed by 2.20.2", "reproduced with TE 2.18.0 and 2.20.2",
+        or "" when the bisect tried no other TE release."""
+        return builds_sentence(*self.te_releases(), library="TE")
+
     def cudnn_sentence(self) -> str:
         """"fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0", "reproduced with cuDNN 9.14.0 and
         9.19.0", or "" when the bisect tried no other cuDNN build."""
@@ -215,6 +237,11 @@ def _backend_spec(document: dict[str, Any]) -> BackendSpec:
 
 
 def _coords(knobs: dict[str, Any], spec: BackendSpec) -> Coords:
+    if knobs.get("te"):  # the probe ran on a prepared TE release (bisect's te knob)
+        from attn_doctor.backends import on_release
+        from attn_doctor.machine.te_installs import TEInstall
+
+        spec = on_release(spec, TEInstall.from_dict(knobs["te"]))
     if knobs.get("cudnn"):  # the probe ran on a cuDNN build of its own (bisect's cudnn knob)
         from attn_doctor.backends import on_build
         from attn_doctor.machine.cudnn_builds import CudnnBuild
