@@ -300,3 +300,32 @@ def test_the_dense_max_logit_equals_the_tiled_reference():
         standalone.dense_bias(plain, None, torch.float64, "cpu"))
     assert torch.allclose(tiled, dense, rtol=1e-12) and torch.allclose(tiled_terms, dense_terms, rtol=1e-10)
 
+
+
+def test_delayed_scaling_s_warm_up_runs_with_gradients_also_before_a_forward_only_probe(monkeypatch):
+    """TE updates delayed scaling's scales as its autocast exits only with gradients enabled: a forward-only probe's
+    warm-up step runs with them (else the measured step quantises with scale 1), the measured step without."""
+    import torch
+
+    from attn_doctor.backends import BackendSpec, build
+    from attn_doctor.core.case import make_case
+    from attn_doctor.core.coords import Coords
+    from attn_doctor.probes import Caches, run_probe
+
+    seen: list[bool] = []
+    spec = BackendSpec("local", "local", {})
+    backend = build(spec)
+    forward = backend.forward
+
+    def recording(*args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "forward", recording)
+    for fp8, forward_only, expected in (("delayed", True, [True, False]), ("delayed", False, [True, True]),
+                                        ("current", True, [False])):
+        seen.clear()
+        case = make_case(batch=1, seq=16, heads=2, head_dim=16, mask="causal", fp8=fp8, forward_only=forward_only)
+        outcome = run_probe(backend, Coords.call(case, spec, "contiguous"), Caches(torch.device("cpu")))
+        assert outcome.status == "ok", outcome.reason
+        assert seen == expected, (fp8, forward_only, seen)

@@ -331,10 +331,11 @@ def kernel(q, k, v, case):
         SINK_LEAF = load_sink(module, case["sink"])
     if case["fp8"] != "none":
         os.environ.update(fp8_backward_environment(case))
-    if case["fp8"] == "delayed":
-        with fp8_autocast(te, case["fp8"]):
+    if case["fp8"] == "delayed":  # TE updates the scales as its autocast exits with gradients enabled only
+        with torch.enable_grad(), fp8_autocast(te, case["fp8"]):
             warm, _ = split_outputs(module(q, k, v, **call))
-        torch.autograd.grad(warm, (q, k, v), WARMUP_DOUT.reshape(warm.shape), allow_unused=True)
+        if not case["forward_only"]:
+            torch.autograd.grad(warm, (q, k, v), WARMUP_DOUT.reshape(warm.shape), allow_unused=True)
     with fp8_autocast(te, case["fp8"]):
         out, MAX_LOGIT = split_outputs(module(q, k, v, **call))
     state = dpa._attention_backends

@@ -43,8 +43,11 @@ def _warm_up(backend: Backend, qkv, case, semantics, dout: torch.Tensor) -> None
     FP8 delayed scaling quantises each tensor with a scale from the amaxes of earlier steps (scale 1 on the
     very first). After one step on these very inputs the scales are the ones a converged training run has for
     them (and what the FP8 simulation of the baseline assumes), so the measured step is judged as a user's
-    steady state, not as a first step."""
-    with kernel_code(passthrough=(Unsupported,)), torch.set_grad_enabled(not case.forward_only):
+    steady state, not as a first step. The step runs with gradients enabled also before a forward-only probe: TE
+    updates the scales as its autocast exits only then (`autocast_exit`, TE 2.20 quantization.py), and a
+    forward-only warm-up left TE's unfused path on scale 1, its output 2.6-7.6x the yardstick (the H100's
+    te-tests): a model run for inference has the scales its training left."""
+    with kernel_code(passthrough=(Unsupported,)), torch.set_grad_enabled(True):
         out = backend.forward(qkv.q, qkv.k, qkv.v, case, with_sink_leaf(semantics))
         if not case.forward_only:
             torch.autograd.grad(out, (qkv.q, qkv.k, qkv.v), dout.reshape(out.shape), allow_unused=True)
