@@ -6,6 +6,8 @@ Adding a backend is a module in this package (a `Backend` subclass, see `base.py
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, ShortCall, Unsupported
 from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
@@ -59,23 +61,24 @@ def select(names: list[str] | tuple[str, ...], kernels: list[str] | tuple[str, .
     release not prepared and a cuDNN build that is not here are bad input."""
     specs = _select(names, kernels)
     if te:
-        specs = with_te(specs, [part.strip() for part in te.split(",") if part.strip()])
-    return with_cudnn(specs, [part.strip() for part in cudnn.split(",") if part.strip()]) if cudnn else specs
+        specs = with_te(specs, _listed(te))
+    return with_cudnn(specs, _listed(cudnn)) if cudnn else specs
+
+
+def _listed(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def with_te(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpec]:
     """Each of TE's paths once per requested release (prepared with `attn-doctor te add`), named
     "te.fused@te-2.18.0"; the others as they are."""
-    from attn_doctor.machine.te_installs import find_installs, resolve
+    def releases() -> list:
+        from attn_doctor.machine.te_installs import find_installs, resolve
 
-    if not any(backend_class(spec).loads_cudnn for spec in specs):
-        raise BadInput("--te picks the TE release TE's paths run, and none is selected; add --backend te")
-    found = find_installs()
-    releases = list({install.version: install for install in (resolve(r, found) for r in requests)}.values())
-    chosen: list[BackendSpec] = []
-    for spec in specs:
-        chosen += [on_release(spec, install) for install in releases] if backend_class(spec).loads_cudnn else [spec]
-    return chosen
+        found = find_installs()
+        return list({install.version: install for install in (resolve(r, found) for r in requests)}.values())
+
+    return _once_per_choice(specs, "--te picks the TE release TE's paths run", releases, on_release)
 
 
 def on_release(spec: BackendSpec, install) -> BackendSpec:
@@ -88,15 +91,25 @@ def on_release(spec: BackendSpec, install) -> BackendSpec:
 def with_cudnn(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpec]:
     """Each spec whose process loads cuDNN (TE's paths), once per requested build (a version or a path, see
     `attn_doctor.machine.cudnn_builds.resolve`), named "te.fused@cudnn-9.19.0"; the others as they are."""
-    from attn_doctor.machine.cudnn_builds import find_builds, resolve
+    def builds() -> list:
+        from attn_doctor.machine.cudnn_builds import find_builds, resolve
 
+        found = find_builds()
+        return list({build.directory: build for build in (resolve(r, found) for r in requests)}.values())
+
+    return _once_per_choice(specs, "--cudnn picks the cuDNN build TE's paths load", builds, on_build)
+
+
+def _once_per_choice(specs: list[BackendSpec], picks: str, choose: Callable[[], list],
+                     on: Callable[[BackendSpec, Any], BackendSpec]) -> list[BackendSpec]:
+    """Each spec whose process loads cuDNN (TE's paths) once per choice `choose` gives (`on` makes it), the others
+    as they are; BadInput before choosing when no such spec is selected (`picks`: what the option picks)."""
     if not any(backend_class(spec).loads_cudnn for spec in specs):
-        raise BadInput("--cudnn picks the cuDNN build TE's paths load, and none is selected; add --backend te")
-    found = find_builds()
-    builds = list({build.directory: build for build in (resolve(request, found) for request in requests)}.values())
+        raise BadInput(f"{picks}, and none is selected; add --backend te")
+    choices = choose()
     chosen: list[BackendSpec] = []
     for spec in specs:
-        chosen += [on_build(spec, build) for build in builds] if backend_class(spec).loads_cudnn else [spec]
+        chosen += [on(spec, choice) for choice in choices] if backend_class(spec).loads_cudnn else [spec]
     return chosen
 
 

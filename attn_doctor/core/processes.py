@@ -30,6 +30,23 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def last_json_object(output: str) -> dict | None:
+    """The last line of a child's output that is a JSON object (what a child reporting facts prints last, after
+    whatever its libraries printed), or None."""
+    import json
+
+    for line in reversed(output.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                found = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(found, dict):
+                return found
+    return None
+
+
 def describe_exit(returncode: int) -> str:
     """'exit code 9', 'signal SIGABRT', or for a shell-style code above 128 'exit code 134 (signal SIGABRT?)'."""
     if returncode < 0:

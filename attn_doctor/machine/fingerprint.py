@@ -9,7 +9,6 @@ into a process that already has torch's.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -311,15 +310,9 @@ def _read_te_in_subprocess(cmd: Sequence[str], timeout_s: float) -> dict:
         return {"error": f"reading TE's facts failed: {_first_line(exc)}"}
     if done.returncode is None:
         return {"error": f"reading TE's facts timed out after {timeout_s:g}s"}
-    for line in reversed(done.stdout.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                facts = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(facts, dict):
-                return facts
+    facts = processes.last_json_object(done.stdout)
+    if facts is not None:
+        return facts
     why = f"reading TE's facts exited with {processes.describe_exit(done.returncode)}"
     last_err = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), None)
     if last_err:

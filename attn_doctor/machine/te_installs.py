@@ -228,16 +228,9 @@ def add(version: str, wheels: Path | None = None, home: Path | None = None, runn
 
 
 def _checked(done: subprocess.CompletedProcess) -> dict | None:
-    if done.returncode != 0:
-        return None
-    for line in reversed(done.stdout.splitlines()):
-        try:
-            facts = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(facts, dict):
-            return facts
-    return None
+    from attn_doctor.core.processes import last_json_object
+
+    return last_json_object(done.stdout) if done.returncode == 0 else None
 
 
 def use_prepared_release(environ: Mapping[str, str] | None = None) -> str | None:

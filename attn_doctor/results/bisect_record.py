@@ -116,30 +116,25 @@ class BisectRecord:
     def cudnn_builds(self) -> tuple[list[str], list[str]]:
         """(failing, passing): the cuDNN builds the bisect saw the failure on and those it passed on (bisect's
         cudnn knob), oldest first; ([], []) when it tried no other build."""
-        tried = [step for step in self.probes if step.knob == "cudnn" and step.verdict in ("PASS", "FAIL", "ERROR")]
-        if not tried:
-            return [], []
         start = self.start.backend.options.get("cudnn")
-        first = (start.get("version") or start.get("directory")) if start else None
-        if first is None and self.env is not None and self.env.te_cudnn.value:
-            first = self.env.te_cudnn.value.split()[0]
-        failing = {first} if first else set()
-        passing: set[str] = set()
-        for step in tried:
-            (failing if step.fails else passing if step.verdict == "PASS" else set()).add(
-                step.tried.removesuffix(ON_MINIMAL))
-        return sorted(failing - passing, key=version_order), sorted(passing - failing, key=version_order)
+        machine = self.env.te_cudnn.value if self.env is not None else None
+        return self._alternatives("cudnn", (start.get("version") or start.get("directory")) if start else None,
+                                  machine)
 
     def te_releases(self) -> tuple[list[str], list[str]]:
         """(failing, passing): the TE releases the bisect saw the failure on and those it passed on (bisect's te
         knob), oldest first; ([], []) when it tried no other release."""
-        tried = [step for step in self.probes if step.knob == "te" and step.verdict in ("PASS", "FAIL", "ERROR")]
+        start = self.start.backend.options.get("te")
+        return self._alternatives("te", start.get("version") if start else None,
+                                  self.env.te.value if self.env is not None else None)
+
+    def _alternatives(self, knob: str, start: str | None, machine: str | None) -> tuple[list[str], list[str]]:
+        """(failing, passing) of an alternatives knob: the start's value (the one asked for, else the machine's
+        `machine` fact) failing, and each value the knob tried as it went, oldest first."""
+        tried = [step for step in self.probes if step.knob == knob and step.verdict in ("PASS", "FAIL", "ERROR")]
         if not tried:
             return [], []
-        start = self.start.backend.options.get("te")
-        first = start.get("version") if start else None
-        if first is None and self.env is not None and self.env.te.value:
-            first = self.env.te.value.split()[0]
+        first = start if start is not None else machine.split()[0] if machine else None
         failing = {first} if first else set()
         passing: set[str] = set()
         for step in tried:
