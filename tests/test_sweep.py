@@ -540,7 +540,7 @@ def test_kill_mid_sweep_then_resume_runs_every_point_once(tmp_path, run_cli, sig
             assert proc.poll() is None, (tmp_path / "stderr").read_text()[-2000:]
             assert 1 <= done < len(RESUME_SEQS)
             proc.send_signal(signum)
-            assert proc.wait(timeout=30) == returncode
+            assert proc.wait(timeout=30) == returncode, (tmp_path / "stderr").read_text()[-2000:]
         finally:
             if proc.poll() is None:
                 proc.kill()
