@@ -264,3 +264,35 @@ def test_a_release_and_a_cudnn_build_together_keep_both_in_the_name():
     assert both.name == "te.fused@te-2.18.0@cudnn-9.19.0" and both.options["cudnn"] == {"version": "9.19.0"}
     assert without_build(both.name) == "te.fused"
     assert on_release(both, TEInstall("2.20.2", "/x/2.20.2")).name == "te.fused@te-2.20.2@cudnn-9.19.0"
+
+
+def test_the_environment_s_own_te_is_a_release_te_can_name_beside_the_prepared(home, monkeypatch, run_cli):
+    """`--te 2.18.0,2.20.2` where 2.20.2 is the TE installed in the environment: its rows run in the plain TE worker
+    (no folder put first), the read-back holds it to that version and to the environment's copy, a bisect from
+    either side tries the other, and `te list` and the refusal name it."""
+    from attn_doctor.backends import process_of, select
+    from attn_doctor.bisect import knobs
+    from attn_doctor.core.case import make_case
+
+    _prepared(home, "2.18.0")
+    monkeypatch.setattr(te_installs, "environment_install", lambda: TEInstall("2.20.2", ""))
+    specs = select(["te.fused"], te="2.18.0,2.20.2", cudnn=None)
+    assert [spec.name for spec in specs] == ["te.fused@te-2.18.0", "te.fused@te-2.20.2"]
+    assert process_of(specs[1]) == ("te", {})  # the machine's own worker
+    assert process_of(specs[0])[0] == "te with TE 2.18.0"
+    with pytest.raises(BadInput, match=r"prepared: 2.18.0; installed: 2.20.2"):
+        resolve("2.17.0", te_installs.choices())
+    own = TEInstall("2.20.2", "")
+    assert te_installs.release_not_honoured(own, "2.20.2", "/env/site-packages/transformer_engine/__init__.py") is None
+    assert "imported TE 2.18.0" in te_installs.release_not_honoured(own, "2.18.0", "/env/transformer_engine/x.py")
+    assert "imported TE 2.20.2" in te_installs.release_not_honoured(
+        own, "2.20.2", str(home / "2.20.2" / "site" / "transformer_engine" / "__init__.py"))
+    knobs._te_releases.cache_clear()
+    case = make_case(batch=1, seq=4, heads=1, head_dim=8, dtype="fp32", mask="none")
+    as_installed = knobs.coords_at(case, backend=select(["te.fused"])[0])
+    assert [r.version for r in knobs._other_te_releases(as_installed)] == ["2.18.0"]
+    on_old = knobs.coords_at(case, backend=specs[0])
+    assert [(r.version, r.prepared) for r in knobs._other_te_releases(on_old)] == [("2.20.2", False)]
+    knobs._te_releases.cache_clear()
+    listed = run_cli(["te", "list"]).output
+    assert "TE 2.20.2 (installed in this environment)" in listed and "TE 2.18.0 (built for torch" in listed

@@ -70,12 +70,12 @@ def _listed(text: str) -> list[str]:
 
 
 def with_te(specs: list[BackendSpec], requests: list[str]) -> list[BackendSpec]:
-    """Each of TE's paths once per requested release (prepared with `attn-doctor te add`), named
-    "te.fused@te-2.18.0"; the others as they are."""
+    """Each of TE's paths once per requested release (prepared with `attn-doctor te add`, or the environment's own),
+    named "te.fused@te-2.18.0"; the others as they are."""
     def releases() -> list:
-        from attn_doctor.machine.te_installs import find_installs, resolve
+        from attn_doctor.machine.te_installs import choices, resolve
 
-        found = find_installs()
+        found = choices()
         return list({install.version: install for install in (resolve(r, found) for r in requests)}.values())
 
     return _once_per_choice(specs, "--te picks the TE release TE's paths run", releases, on_release)

@@ -410,7 +410,8 @@ class TEAttention(Backend):
 
         cudnn, release = spec.options.get("cudnn"), spec.options.get("te")
         return {**(loader_environment(CudnnBuild.from_dict(cudnn)) if cudnn else {}),
-                **({SITE_VARIABLE: TEInstall.from_dict(release).site} if release else {})}
+                **({SITE_VARIABLE: TEInstall.from_dict(release).site}
+                   if release and TEInstall.from_dict(release).prepared else {})}
 
     @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:

@@ -158,9 +158,9 @@ def _other_cudnn_builds(coords: Coords) -> list:
 
 @functools.cache
 def _te_releases() -> tuple:
-    from attn_doctor.machine.te_installs import find_installs
+    from attn_doctor.machine.te_installs import choices
 
-    return tuple(find_installs())
+    return tuple(choices())
 
 
 def _te_value(coords: Coords) -> str:
@@ -169,13 +169,16 @@ def _te_value(coords: Coords) -> str:
 
 
 def _other_te_releases(coords: Coords) -> list:
-    """The prepared TE releases (`attn-doctor te add`) other than the one TE's path runs on."""
+    """The TE releases (prepared with `attn-doctor te add`, and the environment's own) other than the one TE's path
+    runs on (a path on no `--te` runs on the environment's)."""
     from attn_doctor.backends import backend_class
 
     if coords.backend.family == ANY_BACKEND.family or not backend_class(coords.backend).loads_cudnn:
         return []
-    current = (coords.backend.options.get("te") or {}).get("version")
-    return [install for install in _te_releases() if install.version != current]
+    releases = _te_releases()
+    own = next((install.version for install in releases if not install.prepared), None)
+    current = (coords.backend.options.get("te") or {}).get("version", own)
+    return [install for install in releases if install.version != current]
 
 
 def _set_te(coords: Coords, release: Any) -> Coords:

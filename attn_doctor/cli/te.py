@@ -38,12 +38,13 @@ def add(app: Application, version: str, wheels: Path | None) -> int:
 @te.command("list")
 @click.pass_obj
 def list_installs(app: Application) -> int:
-    """The TE releases prepared here, with what each was built against."""
-    from attn_doctor.machine.te_installs import find_installs, te_home
+    """The TE releases `--te` can run: the one installed in this environment and those prepared here, with what
+    each was built against."""
+    from attn_doctor.machine.te_installs import choices, te_home
 
-    installs = find_installs()
+    installs = choices()
     for install in installs:
         click.echo(f"TE {install.label()}")
-    if not installs:
+    if not any(install.prepared for install in installs):
         click.echo(f"No TE release prepared in {te_home()}; prepare one with `attn-doctor te add VERSION`.")
     return EXIT_OK

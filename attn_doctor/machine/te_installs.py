@@ -9,6 +9,9 @@ and `install.json`: the version, and what the install
 was built against and checked with (torch, its CUDA, Python), read back from a fresh interpreter that imported it.
 An install is made in a hidden folder beside the others and renamed into place only once that check passed, so a
 failed or interrupted one leaves nothing that `find_installs` would take for an install.
+
+The TE installed in the environment itself is a release too (`environment_install`, read from its package
+metadata, no folder): `--te 2.18.0,2.20.2` on a machine with 2.20.2 installed compares the prepared 2.18.0 with it.
 """
 
 from __future__ import annotations
@@ -61,11 +64,19 @@ class TEInstall:
         return self.version
 
     @property
+    def prepared(self) -> bool:
+        """Prepared by `attn-doctor te add` (a folder of its own), not the environment's own TE."""
+        return bool(self.directory)
+
+    @property
     def site(self) -> str:
-        return str(Path(self.directory) / SITE)
+        return str(Path(self.directory) / SITE) if self.prepared else ""
 
     def label(self) -> str:
-        """"2.18.0 (built for torch 2.11.0+cu130, CUDA 13.0; /root/.cache/attn-doctor/te/2.18.0)"."""
+        """"2.18.0 (built for torch 2.11.0+cu130, CUDA 13.0; /root/.cache/attn-doctor/te/2.18.0)", or for the
+        environment's own "2.20.2 (installed in this environment)"."""
+        if not self.prepared:
+            return f"{self.version} (installed in this environment)"
         return f"{self.version} (built for torch {self.torch or '?'}, CUDA {self.cuda or '?'}; {self.directory})"
 
     def to_dict(self) -> dict:
@@ -107,14 +118,37 @@ def find_installs(home: Path | None = None) -> list[TEInstall]:
     return sorted(found, key=lambda install: version_order(install.version))
 
 
+def environment_install() -> TEInstall | None:
+    """The TE installed in this environment (its package metadata: nothing imported), as a release `--te` may
+    name; None when there is none or it cannot be read."""
+    from importlib import metadata
+
+    for name in ("transformer-engine", "transformer_engine"):
+        try:
+            return TEInstall(metadata.version(name), "")
+        except Exception:  # noqa: BLE001 - not installed, or metadata unreadable: then it is not a choice
+            continue
+    return None
+
+
+def choices(home: Path | None = None) -> list[TEInstall]:
+    """The releases `--te` may name: the environment's own TE first (where one is installed), then the prepared
+    ones; never raises."""
+    own = environment_install()
+    return ([own] if own else []) + find_installs(home)
+
+
 def resolve(request: str, installs: Sequence[TEInstall]) -> TEInstall:
-    """The prepared install of version `request`; BadInput naming those that are prepared, and how to add one."""
+    """The release of version `request` among `installs` (the environment's own first: it needs no worker of its
+    own); BadInput naming those there are, and how to add one."""
     for install in installs:
         if install.version == request.strip():
             return install
-    have = ", ".join(install.version for install in installs) or "none"
-    raise BadInput(f"--te {request}: TE {request} is not prepared here (prepared: {have}); prepare it with "
-                   f"`attn-doctor te add {request}` (or `--from DIR` with its wheels), or pick a prepared one")
+    own = [install.version for install in installs if not install.prepared]
+    have = ", ".join(install.version for install in installs if install.prepared) or "none"
+    raise BadInput(f"--te {request}: TE {request} is not prepared here (prepared: {have}"
+                   + (f"; installed: {own[0]}" if own else "") + f"); prepare it with `attn-doctor te add {request}` "
+                   "(or `--from DIR` with its wheels), or pick one of those")
 
 
 def core_package(cuda: str | None) -> str:
@@ -246,6 +280,11 @@ def release_not_honoured(wanted: TEInstall, imported_version: str | None, import
     """Why the TE a worker imported is not the release asked for (another version, or the environment's copy
     rather than the release's folder); None when it is."""
     where = imported_file or "nowhere"
+    if not wanted.prepared:  # the environment's own: its version, from no prepared release's folder
+        if imported_version != wanted.version or (imported_file and str(Path(imported_file).resolve()).startswith(
+                str(te_home().resolve()))):
+            return f"asked for the installed TE {wanted.version}, imported TE {imported_version or '?'} from {where}"
+        return None
     if not imported_file or not str(Path(imported_file).resolve()).startswith(str(Path(wanted.site).resolve())):
         return f"asked for TE {wanted.version} from {wanted.site}, imported TE {imported_version or '?'} from {where}"
     if imported_version != wanted.version:

@@ -6,6 +6,9 @@
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree, then this tree profiled
 # tests      te-tests cold on this tree, every path (te.flash: FlashAttention not installed yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
+# cost       where a TE probe's time goes: benchmarks/te_probe_cost.py (7 processes at once, then 1), then a sixth of
+#            te-coverage cold on TE's paths with one worker, profiled (its worker's cProfile summarised)
+# bisect     the te-tests FAILs no known-defect rule explained (lease 3): each bisected, at most BISECT_LIMIT s
 # both       cold-new, then tests (COVERAGE_LIMIT, TESTS_LIMIT seconds each)
 set -uo pipefail
 phase=$1 dest=$2
@@ -37,6 +40,31 @@ case "$phase" in
   fa4)
     LIMIT=${LIMIT:-420} "${cold[@]}" te-tests-fa4 "$root" --recipe te-tests --family fa4_base,fa4_mla,fa4_swa,fa4_varlen,fa4_mask \
         "${workers[@]}" --backend te.flash --backend local ;;
+  cost)
+    rm -rf ~/.nv/ComputeCache ~/.triton ~/.cache/torch 2>/dev/null  # what the sweeps before compiled
+    python3 "$root/benchmarks/te_probe_cost.py" "$out" --processes 7,1 > "$out/te-probe-cost.log" 2>&1
+    PROFILE=1 LIMIT=${LIMIT:-150} "${cold[@]}" te-profiled "$root" --recipe te-coverage --shard 1/6 \
+        --backend te.fused --backend te.fused.det --backend te.unfused --workers 1
+    python3 - "$out"/prof-te-profiled > "$out/te-profiled-summary.txt" 2>&1 <<'PY'
+import glob, pstats, sys
+for path in sorted(glob.glob(sys.argv[1] + "/worker-*.prof")):
+    print(f"==== {path}")
+    stats = pstats.Stats(path)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+PY
+    ;;
+  bisect)
+    bisect=(timeout -s INT --kill-after=10 "${BISECT_LIMIT:-150}" env PYTHONPATH="$root" COLUMNS=100 python3 -m attn_doctor bisect --device cuda)
+    # te.fused.det, MLA one-token queries: dQ 83-646x the baseline's error (te.fused passes)
+    "${bisect[@]}" --backend te.fused.det --batch 8 --seq 1 --seq-kv 2048 --heads 16 --head-dim 160 --head-dim-v 128 \
+        --dtype bf16 --mask no_mask --qkv-format bshd --out "$out/bisect-mla-det" > "$out/bisect-mla-det.txt" 2>&1
+    echo "bisect mla-det: exit $?" >> "$out/exit-codes.txt"
+    # te.fused FP8 delayed, padding with one ragged sequence (1577 of 2048): out 8x its yardstick
+    "${bisect[@]}" --backend te.fused --batch 1 --seq 2048 --heads 32 --kv-heads 4 --head-dim 128 --dtype bf16 \
+        --mask padding --seqlens 1577 --fp8 delayed --out "$out/bisect-fp8-padding" > "$out/bisect-fp8-padding.txt" 2>&1
+    echo "bisect fp8-padding: exit $?" >> "$out/exit-codes.txt"
+    cat "$out/exit-codes.txt" ;;
   both)  # what one short lease allows: cold-new (te-coverage, the machine's first sweep), then tests, each archived
     LIMIT=${COVERAGE_LIMIT:-100} bash "$0" cold-new "$dest"
     LIMIT=${TESTS_LIMIT:-250} bash "$0" tests "$dest"
