@@ -96,7 +96,17 @@ def one_process(out: Path, offset: int) -> dict:
     stats.sort_stats("cumulative").print_stats(25)
     return dict(offset=offset, torch_import_s=torch_s, te_import_s=import_s, calls=calls, profile=text.getvalue(),
                 te=getattr(te, "__version__", "?"), torch=torch.__version__,
-                cudnn=torch.backends.cudnn.version(), threads=torch.get_num_threads())
+                cudnn=_te_cudnn(), threads=torch.get_num_threads())
+
+
+def _te_cudnn() -> int | None:
+    """The cuDNN TE loaded (asking torch would raise: TE loads the system's build before torch's own)."""
+    try:
+        import transformer_engine_torch as tex
+
+        return tex.get_cudnn_version()
+    except Exception:  # noqa: BLE001 - a fact for the summary only
+        return None
 
 
 def summary(runs: dict[int, list[dict]]) -> str:

@@ -543,6 +543,42 @@ def test_rows_on_two_te_releases_are_not_taken_for_two_cudnn_builds_of_one():
     assert row_builds(failing, report.rows, env=report.env).elsewhere == ""
 
 
+TE_RELEASES = HERE.parent / "reports" / "h100" / "te-releases" / "run-1"  # TE 2.18.0 beside 2.20.2, on an H100
+
+
+def test_the_title_and_description_name_the_failing_rows_te_release_and_the_other_releases(report_of, no_known):
+    """The H100's thd head-dim fault on TE 2.18.0 and 2.20.2, each on cuDNN 9.14.0 and 9.19.0: the filed row ran
+    the prepared 2.18.0 (the machine's own TE is 2.20.2), and the title says what the releases and builds did."""
+    issue = report_of(TE_RELEASES / "run-thd-head-dim.json")
+    title = issue.splitlines()[0]
+    assert "reproduced with TE 2.18.0 and 2.20.2" in title and "fails with cuDNN 9.14.0, passes with 9.19.0" in title
+    assert "(TE 2.20.2" not in title
+    assert "It ran on TE 2.18.0 and cuDNN 9.14.0 (read back from the library in the failing call's process)." in issue
+    table_row = next(line for line in issue.splitlines() if line.startswith("| Transformer Engine version"))
+    assert table_row.startswith("| Transformer Engine version | 2.18.0 for the failing call (read back); installed: 2.20.2")
+    assert "`attn-doctor te add 2.18.0` beside transformer-engine-cu13 2.20.2" in issue.replace("\\`", "`")
+
+
+def test_a_bisect_across_te_releases_says_so_in_the_title(report_of, no_known):
+    """The bisect from TE 2.18.0 tried 2.20.2 (its te knob): reproduced with both, said in place of one release."""
+    title = report_of(TE_RELEASES / "bisect-bias111s").splitlines()[0]
+    assert "(reproduced with TE 2.18.0 and 2.20.2, cuDNN 9.14.0 and 9.19.0, NVIDIA H100 80GB HBM3)" in title
+
+
+def test_one_release_alone_is_named_as_the_row_ran_it_not_the_machines():
+    """The other side: a row on the prepared 2.18.0 with no other release beside it names 2.18.0 alone (the
+    machine's own 2.20.2 never), and a row on no `--te` names no release of its own."""
+    from attn_doctor.render.report_data import row_builds
+
+    report = RunReport.from_dict(json.loads((TE_RELEASES / "run-thd-head-dim.json").read_text()))
+    rows = [r for r in report.rows if "te-2.20.2" not in r.backend]
+    failing = next(r for r in rows if r.backend == "te.fused@te-2.18.0@cudnn-9.14.0")
+    builds = row_builds(failing, rows, env=report.env)
+    assert builds.te == "2.18.0" and builds.te_elsewhere == ""
+    local = next(r for r in rows if r.backend == "local")
+    assert row_builds(local, rows, env=report.env).te is None
+
+
 def test_a_path_that_reads_back_no_cudnn_is_not_given_one_it_did_not_use():
     from attn_doctor.render.report_data import row_builds
 
@@ -556,7 +592,9 @@ def test_a_path_that_reads_back_no_cudnn_is_not_given_one_it_did_not_use():
 
 ONE_SCREEN = [EVIDENCE / "cudnn" / "run-2" / f"run-{name}.json" for name in ("thd-head-dim", "bias111s", "strided")] + [
     EVIDENCE / "run-default" / "results.json", H200_RUN] + [
-    EVIDENCE / "cudnn" / "run-3" / f"bisect-{name}" for name in ("thd-head-dim", "bias111s", "strided")]
+    EVIDENCE / "cudnn" / "run-3" / f"bisect-{name}" for name in ("thd-head-dim", "bias111s", "strided")] + [
+    HERE.parent / "reports" / "h100" / "te-releases" / "run-1" / f"{kind}{name}{suffix}"
+    for name in ("thd-head-dim", "bias111s", "strided") for kind, suffix in (("run-", ".json"), ("bisect-", ""))]
 
 
 @pytest.mark.parametrize("path", ONE_SCREEN, ids=[f"{p.parent.name}/{p.name}" for p in ONE_SCREEN])

@@ -343,12 +343,16 @@ class _RecordingWorker:
     jobs: list = []
     answers: dict = {}
     closed: list = []
+    started: list = []  # a family each time one of its workers starts (again, after a close)
 
     def __init__(self, family, device, timeout_s, environment=None):
         self.family, self.hello, self.startup_seconds, self.environment = family, {}, 0.0, environment or {}
+        self.running = False
 
     def ensure_started(self):
-        return None
+        if not self.running:
+            type(self).started.append(self.family)
+            self.running = True
 
     def request(self, job, on_progress=None):
         type(self).jobs.append(job)
@@ -357,13 +361,14 @@ class _RecordingWorker:
 
     def close(self, graceful=True):
         type(self).closed.append(self.family)
+        self.running = False
 
 
 @pytest.fixture
 def recorded(monkeypatch):
     from attn_doctor.execution import session as session_module
 
-    _RecordingWorker.jobs, _RecordingWorker.answers, _RecordingWorker.closed = [], {}, []
+    _RecordingWorker.jobs, _RecordingWorker.answers, _RecordingWorker.closed, _RecordingWorker.started = [], {}, [], []
     monkeypatch.setattr(session_module, "Worker", _RecordingWorker)
     monkeypatch.setattr(session_module.Session, "_hold_parent", lambda self, plan: None)  # no GPU here
     monkeypatch.setattr(ReferenceStore, "handle", lambda self, case, layers=None: None)  # no reference needed
@@ -404,6 +409,26 @@ def test_each_worker_is_held_to_its_share_and_alone_to_the_whole_budget(recorded
     assert row.verdict == "TOO-BIG" and not row.internal
     needs = float(row.reason.removeprefix("does not fit in 24.0 GiB (needs about ").split(" GiB)")[0])
     assert needs >= 23.0  # what its worker held and the allocation that failed, with the processes' fixed parts
+
+
+def test_the_probes_retried_alone_go_one_process_after_another_each_worker_starting_once(recorded):
+    """Two points whose sdpa.math and local probes all run out of memory beside the others: retried alone, one
+    family's probes after the other's, so each family's worker starts once for the retries (in the order they were
+    asked, point by point, the two families alternated and each retry started a worker again); every probe is
+    retried, and a retry that fits is the row."""
+    cases = [make_case(batch=1, seq=32, heads=2, head_dim=8, seed=seed) for seed in (1, 2, 3)]
+    out_of_memory = {"status": "oom", "reason": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                     "tried": 2 * GIB, "reserved": 3 * GIB}
+    _RecordingWorker.answers = {"sdpa": [out_of_memory] * 3, "local": [out_of_memory] * 3}
+    groups = [point.coords(select(["sdpa.math"])) for point in plan_points(cases, ["contiguous"])]
+    with recorded.Session("cuda", budget=_gpu(24)) as session:
+        rows = session.run_groups(groups)
+    retried = [job["coords"]["backend"]["name"] for job in _RecordingWorker.jobs[6:]]
+    assert sorted(retried) == ["local"] * 3 + ["sdpa.math"] * 3
+    assert retried in (["sdpa.math"] * 3 + ["local"] * 3, ["local"] * 3 + ["sdpa.math"] * 3)  # one family, the other
+    assert sorted(_RecordingWorker.started[:2]) == ["local", "sdpa"]  # side by side first
+    assert len(_RecordingWorker.started[2:]) <= 1  # then at most the second family's worker again (alternating: 5)
+    assert all(row.verdict == "SKIP" for point in rows for row in point)  # the retries' answers (the recorder's skip)
 
 
 def test_the_plan_table_the_readme_points_to_still_runs(capsys):

@@ -53,6 +53,23 @@ def test_the_known_faults_repros_fit_one_screen(case, layout, spec):
     assert max(len(line) for line in lines[1:] if not line.startswith(("TARGET", "Run on the build"))) <= 120
 
 
+def test_a_repro_of_a_prepared_te_release_says_how_to_run_it_on_that_release():
+    """A path on `--te 2.18.0` (and `--cudnn`): the header's line puts the release's folder first on PYTHONPATH, as
+    its worker had it, beside the build's loader variables, and names the release it ran; a path on the machine's
+    own TE gets no such line."""
+    from attn_doctor.machine.te_installs import TEInstall
+
+    release = TEInstall("2.18.0", "/root/.cache/attn-doctor/te/2.18.0").to_dict()
+    case, layout, _ = KNOWN["111s bias"]
+    on_release = BackendSpec("te.fused@te-2.18.0", "te", {"path": "fused", "te": release})
+    script = short_repro_text(Coords.call(case, on_release, layout), None, "0.1.0")
+    assert ('Run on the TE release (2.18.0) it failed on: env PYTHONPATH="/root/.cache/attn-doctor/te/2.18.0/site" '
+            "python3 THIS_FILE") in script
+    own = BackendSpec("te.fused@te-2.20.2", "te", {"path": "fused", "te": TEInstall("2.20.2", "").to_dict()})
+    assert "Run on the" not in short_repro_text(Coords.call(case, own, layout), None, "0.1.0")
+    assert "Run on the" not in short_repro_text(Coords.call(case, TE_FUSED, layout), None, "0.1.0")
+
+
 def _namespace(case, layout: str, spec=CORRECT) -> dict:
     script = short_repro_text(Coords.call(case, spec, layout), None, "test")
     assert script is not None, not_covered(Coords.call(case, spec, layout))

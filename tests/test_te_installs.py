@@ -20,12 +20,27 @@ from attn_doctor.machine.te_installs import TEInstall, find_installs, resolve
 from cli_checks import one_line_error
 
 
-def _fake_te(site: Path, version: str) -> None:
-    """A stand-in `transformer_engine` of `version` in `site` (what pip would have put there)."""
+# The stand-in `transformer_engine.pytorch` loads its torch extension as TE does: from its own folder's wheel_lib/.
+_LOADS_EXTENSION = """\
+import importlib.util, pathlib, sys
+_found = pathlib.Path(__file__).parents[1] / "wheel_lib" / "transformer_engine_torch.py"
+if _found.exists():
+    _spec = importlib.util.spec_from_file_location("transformer_engine_torch", _found)
+    sys.modules["transformer_engine_torch"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["transformer_engine_torch"])
+"""
+
+
+def _fake_te(site: Path, version: str, extension: bool = True) -> None:
+    """A stand-in `transformer_engine` of `version` in `site` (what pip would have put there), its torch extension
+    in `transformer_engine/wheel_lib/` where `extension`."""
     package = site / "transformer_engine"
     (package / "pytorch").mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(f'__version__ = "{version}"\n')
-    (package / "pytorch" / "__init__.py").write_text("")
+    (package / "pytorch" / "__init__.py").write_text(_LOADS_EXTENSION)
+    if extension:
+        (package / "wheel_lib").mkdir(exist_ok=True)
+        (package / "wheel_lib" / "transformer_engine_torch.py").write_text("")
 
 
 def _prepared(home: Path, version: str, torch_version: str = "2.11.0+cu130") -> TEInstall:
@@ -69,16 +84,21 @@ def test_a_release_not_prepared_is_refused_naming_those_that_are(home):
 
 
 def test_pip_installs_the_release_into_its_folder_alone_its_extension_built_against_its_own_core(tmp_path):
+    """Built against the release's own core in a build folder; then the three packages into the release's folder in
+    one install: pip's --target skips a folder that is already there, so the extension (in the one
+    `transformer_engine/wheel_lib/`) installed after the others was left out (the H100, TE 2.18.0)."""
     site = tmp_path / "partial" / "site"
     core, build, extension = te_installs.pip_commands("2.18.0", site, tmp_path / "wheels", "13.0")
     for command in (core, build, extension):
         assert command[:3] == [sys.executable, "-m", "pip"] and "--no-deps" in command
-    assert core[3] == "install" and core[core.index("--target") + 1] == str(site)
+    assert core[3] == "install" and core[core.index("--target") + 1] == str(te_installs.build_site(site)) != str(site)
     assert {"transformer-engine==2.18.0", "transformer-engine-cu13==2.18.0"} <= set(core)
     assert "--no-index" in core and str(tmp_path / "wheels") in core
     assert build[3] == "wheel" and "--no-build-isolation" in build and "transformer-engine-torch==2.18.0" in build
     built = build[build.index("--wheel-dir") + 1]
-    assert extension[extension.index("--find-links") + 1] == built and "--target" in extension
+    assert built in extension and extension[extension.index("--target") + 1] == str(site)
+    assert {"transformer-engine==2.18.0", "transformer-engine-cu13==2.18.0", "transformer-engine-torch==2.18.0"} <= set(
+        extension)
     assert all("--no-index" not in command for command in te_installs.pip_commands("2.18.0", site, None, "12.8")[:2])
     assert "transformer-engine-cu12==2.18.0" in te_installs.pip_commands("2.18.0", site, None, "12.8")[0]
     environment = te_installs.build_environment(site, {"PYTHONPATH": "/elsewhere"})
@@ -88,15 +108,17 @@ def test_pip_installs_the_release_into_its_folder_alone_its_extension_built_agai
         te_installs.core_package(None)
 
 
-def _runner(version_installed: str, pip_fails: str | None = None):
-    """pip stood in (it writes a stand-in TE of `version_installed`, or fails with `pip_fails`); the import check
-    run for real, in a fresh interpreter."""
+def _runner(version_installed: str, pip_fails: str | None = None, extension: bool = True):
+    """pip stood in (it writes a stand-in TE of `version_installed`, with the torch extension where the command
+    installs it and `extension`, or fails with `pip_fails`); the import check run for real, in a fresh
+    interpreter."""
     def run(command, env):
         if command[1:3] == ["-m", "pip"]:
             if pip_fails and command[3] == "wheel":  # the extension's build, as it fails
                 return subprocess.CompletedProcess(command, 1, "", f"Building x\n{pip_fails}\n")
             if "--target" in command:
-                _fake_te(Path(command[command.index("--target") + 1]), version_installed)
+                _fake_te(Path(command[command.index("--target") + 1]), version_installed,
+                         extension=extension and "transformer-engine-torch==2.18.0" in command)
             return subprocess.CompletedProcess(command, 0, "", "")
         return subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     return run
@@ -113,18 +135,22 @@ def test_an_install_is_checked_by_importing_it_and_recorded_with_what_it_was_bui
     assert not made and again == find_installs(home)[0]
 
 
-@pytest.mark.parametrize("failure", ["pip", "import"])
+@pytest.mark.parametrize("failure", ["pip", "import", "extension"])
 def test_an_install_that_fails_is_refused_with_its_last_error_line_and_leaves_nothing(home, monkeypatch, failure):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    runner = (_runner("2.18.0", pip_fails="ERROR: Failed building wheel for transformer-engine-torch")
-              if failure == "pip" else _runner("2.17.0"))  # the folder holds another version than asked
+    runner = {"pip": _runner("2.18.0", pip_fails="ERROR: Failed building wheel for transformer-engine-torch"),
+              "import": _runner("2.17.0"),  # the folder holds another version than asked
+              "extension": _runner("2.18.0", extension=False),  # its own torch extension missing from its folder
+              }[failure]
     with pytest.raises(BadInput) as refused:
         te_installs.add("2.18.0", home=home, runner=runner)
     said = str(refused.value)
     if failure == "pip":
         assert "Failed building wheel for transformer-engine-torch" in said and torch.__version__ in said
-    else:
+    elif failure == "import":
         assert "imported TE 2.17.0" in said
+    else:
+        assert "its torch extension from nowhere" in said
     assert list(home.iterdir()) == [] and find_installs(home) == []
 
 

@@ -247,7 +247,7 @@ def short_repro_text(coords: Coords, env: EnvReport | None, version: str) -> str
     flash = flash_style(coords.backend)
     launch = _launch(coords)
     header = HEADER.format(title=f"{coords.backend.name} on {coords.describe()}", version=version,
-                           made_on=_made_on(env), launch=launch)
+                           made_on=_made_on(env, coords), launch=launch)
     parts = [header, call.setup, _constants(facts), _inputs(plain), _side_and_mask(facts),
              _views(call.fmt, coords.layout, _slots(coords)), call.kernel, _reference(facts), _rule(facts, flash),
              FLASH if flash else "", _main(facts, flash, call.fmt, coords.layout)]
@@ -255,19 +255,27 @@ def short_repro_text(coords: Coords, env: EnvReport | None, version: str) -> str
 
 
 def _launch(coords: Coords) -> str:
-    """The line that runs the script on the cuDNN build the probe asked for: the loader variables attn-doctor starts
-    its worker with (`loader_environment`, without attn-doctor's own and without this machine's other library
-    folders), the build's folder written once as $D; "" for a path that asks for no build."""
-    cudnn = coords.backend.options.get("cudnn")
-    if not cudnn:
-        return ""
-    from attn_doctor.machine.cudnn_builds import CudnnBuild, loader_environment
+    """The line that runs the script on the cuDNN build and the prepared TE release the probe asked for: the loader
+    variables attn-doctor starts its worker with (`loader_environment`, without attn-doctor's own and without this
+    machine's other library folders), the build's folder written once as $D; the release's folder first on
+    PYTHONPATH, as its worker has it first on its path; "" for a path that asks for neither."""
+    from attn_doctor.machine.te_installs import TEInstall
 
-    folder = cudnn["directory"]
-    loader = {name: value.replace(folder, "$D") for name, value in
-              loader_environment(CudnnBuild.from_dict(cudnn), {}).items() if not name.startswith(OWN_VARIABLES)}
-    return (f"Run on the build it failed on: D={shlex.quote(folder)}; env "
-            + " ".join(f'{name}="{value}"' for name, value in loader.items()) + " python3 THIS_FILE\n")
+    cudnn, release = coords.backend.options.get("cudnn"), coords.backend.options.get("te")
+    site = TEInstall.from_dict(release).site if release else ""
+    if not cudnn and not site:
+        return ""
+    variables = {"PYTHONPATH": site} if site else {}
+    folder = ""
+    if cudnn:
+        from attn_doctor.machine.cudnn_builds import CudnnBuild, loader_environment
+
+        folder = cudnn["directory"]
+        variables.update({name: value.replace(folder, "$D") for name, value in loader_environment(
+            CudnnBuild.from_dict(cudnn), {}).items() if not name.startswith(OWN_VARIABLES)})
+    what = "build" if not site else f"TE release ({release['version']})" + (" and cuDNN build" if cudnn else "")
+    return (f"Run on the {what} it failed on: " + (f"D={shlex.quote(folder)}; " if cudnn else "") + "env "
+            + " ".join(f'{name}="{value}"' for name, value in variables.items()) + " python3 THIS_FILE\n")
 
 
 def _multiple() -> float:
@@ -277,12 +285,14 @@ def _multiple() -> float:
     return multiples.pop()
 
 
-def _made_on(env: EnvReport | None) -> str:
-    """" on <GPU> (TE x, torch y)": the machine and the libraries the probe ran with (the path's own cuDNN build is
-    in its name)."""
+def _made_on(env: EnvReport | None, coords: Coords) -> str:
+    """" on <GPU> (TE x, torch y)": the machine and the libraries the probe ran with: TE the path's own release
+    (`--te`) where it asked for one, else the machine's (the path's own cuDNN build is in its name)."""
     if env is None:
         return ""
-    versions = ", ".join(f"{name} {fact.value}" for name, fact in (("TE", env.te), ("torch", env.torch)) if fact.value)
+    release = coords.backend.options.get("te")
+    te = release["version"] if release else env.te.value
+    versions = ", ".join(f"{name} {value}" for name, value in (("TE", te), ("torch", env.torch.value)) if value)
     gpu = f" on {env.gpus[0].name}" if env.gpus else ""
     return gpu + (f" ({versions})" if versions else "")
 

@@ -363,9 +363,15 @@ class Session:
         return too_big_row(coords, room, self.device, needs, reply)
 
     def _retry_alone(self, batch: _Batch) -> None:
-        """Each probe that ran out of memory, again, with every other worker closed and the whole budget."""
+        """Each probe that ran out of memory, again, with every other worker closed and the whole budget: one
+        process's probes after another, so that each worker starts once (taken in the order they were asked, the
+        families alternated and every probe started a worker anew: te-tests' last 115 probes took 170 s on the
+        H100, reports/h100/issue51/lease4)."""
         self.references.admit_in([])  # one probe at a time: each waits only for room
+        by_process: dict[str, list[tuple[int, int]]] = {}
         for group, index in sorted(batch.deferred):
+            by_process.setdefault(process_of(batch.groups[group][index].backend)[0], []).append((group, index))
+        for group, index in (unit for units in by_process.values() for unit in units):
             if batch.stopped.is_set():
                 return
             coords = batch.groups[group][index]

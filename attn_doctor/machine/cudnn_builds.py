@@ -202,6 +202,9 @@ def version_order(version: str | None) -> tuple:
     return tuple(int(p) if p.isdigit() else 0 for p in version.split(".")) if version else (10**9,)
 
 
+REPRODUCED = "reproduced with "  # how `builds_sentence` begins where every build or release seen fails
+
+
 def builds_sentence(failing: list[str], passing: list[str], library: str = "cuDNN") -> str:
     """"fails with cuDNN 9.14.0, passes with 9.19.0: fixed by 9.19.0", "reproduced with cuDNN 9.14.0 and 9.19.0",
     or "" when one build alone was seen (`failing` and `passing` oldest first); `library` "TE" for releases."""
@@ -210,7 +213,7 @@ def builds_sentence(failing: list[str], passing: list[str], library: str = "cuDN
         return (f"fails with {library} {', '.join(failing)}, passes with {', '.join(passing)}"
                 + (f": fixed by {newer[0]}" if newer else ""))
     if len(failing) > 1:
-        return f"reproduced with {library} {', '.join(failing[:-1])} and {failing[-1]}"
+        return f"{REPRODUCED}{library} {', '.join(failing[:-1])} and {failing[-1]}"
     return ""
 
 

@@ -44,9 +44,11 @@ import torch
 import transformer_engine
 import transformer_engine.pytorch
 where = transformer_engine.__file__ or ""
+extension = getattr(sys.modules.get("transformer_engine_torch"), "__file__", "") or ""
 print(json.dumps({"version": transformer_engine.__version__, "torch": torch.__version__,
                   "cuda": torch.version.cuda, "python": sys.version.split()[0],
-                  "from_site": where.startswith(sys.argv[1])}))
+                  "from_site": where.startswith(sys.argv[1]), "extension": extension,
+                  "extension_from_site": extension.startswith(sys.argv[1])}))
 """
 
 
@@ -161,23 +163,31 @@ def core_package(cuda: str | None) -> str:
 
 
 def pip_commands(version: str, target: Path, wheels: Path | None, cuda: str | None) -> list[list[str]]:
-    """pip, in three steps: TE's pure-Python package and its core library for this torch's CUDA into `target`;
-    the torch extension's source distribution built into a wheel beside it (`target`'s parent, "built"), against
-    this torch (no build isolation) and this release's core (`build_environment` puts `target` first on the path);
-    that wheel into `target`. No dependencies (torch and the rest are this environment's); from `wheels` only when
-    given (a machine with no package index), else from the index."""
+    """pip, in three steps: TE's pure-Python package and its core library for this torch's CUDA into a build folder
+    beside `target` ("build-site"); the torch extension's source distribution built into a wheel there too
+    ("built"), against this torch (no build isolation) and this release's core (`build_environment` puts the build
+    folder first on the path); then all three into `target` in one install. One install, because all three put
+    files in the one `transformer_engine` folder (the extension in its `wheel_lib/`) and pip's `--target` skips a
+    folder that is already there: installed after the others, the extension was left out, and TE then loaded the
+    environment's own (the H100, TE 2.18.0 beside 2.20.2). No dependencies (torch and the rest are this
+    environment's); from `wheels` only when given (a machine with no package index), else from the index."""
     source = ["--no-index", "--find-links", str(wheels)] if wheels is not None else []
     pip = [sys.executable, "-m", "pip"]
     quiet = ["--quiet", "--disable-pip-version-check", "--no-deps"]
     built = target.parent / "built"
+    python_and_core = [f"transformer-engine=={version}", f"{core_package(cuda)}=={version}"]
     return [
-        [*pip, "install", *quiet, "--target", str(target), *source,
-         f"transformer-engine=={version}", f"{core_package(cuda)}=={version}"],
+        [*pip, "install", *quiet, "--target", str(build_site(target)), *source, *python_and_core],
         [*pip, "wheel", *quiet, "--no-build-isolation", "--no-binary", "transformer-engine-torch", "--wheel-dir",
          str(built), *source, f"transformer-engine-torch=={version}"],
-        [*pip, "install", *quiet, "--target", str(target), "--no-index", "--find-links", str(built),
-         f"transformer-engine-torch=={version}"],
+        [*pip, "install", *quiet, "--target", str(target), *source, "--find-links", str(built),
+         *python_and_core, f"transformer-engine-torch=={version}"],
     ]
+
+
+def build_site(target: Path) -> Path:
+    """Where the release's Python part and core are installed to build its extension against (removed after)."""
+    return target.parent / "build-site"
 
 
 def build_environment(site: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -235,7 +245,7 @@ def add(version: str, wheels: Path | None = None, home: Path | None = None, runn
         shutil.rmtree(partial, ignore_errors=True)
         (partial / SITE).mkdir(parents=True)
         step(f"installing TE {version} into {final} (building its torch extension: minutes)")
-        environment = build_environment(partial / SITE)
+        environment = build_environment(build_site(partial / SITE))
         for command in pip_commands(version, partial / SITE, wheels, torch.version.cuda):
             done = runner(command, environment)
             if done.returncode != 0:
@@ -243,13 +253,12 @@ def add(version: str, wheels: Path | None = None, home: Path | None = None, runn
                                f"{torch.__version__}: {last_error_line(done.stderr + done.stdout)} (check that TE "
                                f"{version} exists for CUDA {torch.version.cuda}; without a package index, give --from "
                                "DIR holding its packages)")
+        shutil.rmtree(build_site(partial / SITE), ignore_errors=True)
         step("checking it imports")
         checked = runner([sys.executable, "-c", CHECK, str(partial / SITE)], dict(os.environ))
         facts = _checked(checked)
-        if facts is None or facts.get("version") != version or not facts.get("from_site"):
-            why = (last_error_line(checked.stderr + checked.stdout) if facts is None else
-                   f"it imported TE {facts.get('version')} from "
-                   f"{'its folder' if facts.get('from_site') else 'elsewhere'}, not {version} from its folder")
+        why = last_error_line(checked.stderr + checked.stdout) if facts is None else _not_its_own(facts, version)
+        if why:
             raise BadInput(f"attn-doctor te add {version}: the install does not import: {why}")
         install = TEInstall(version, str(final), str(facts.get("torch", "")), str(facts.get("cuda") or ""),
                             str(facts.get("python", "")))
@@ -259,6 +268,17 @@ def add(version: str, wheels: Path | None = None, home: Path | None = None, runn
         return install, True
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone after the rename; what a failure left otherwise
+
+
+def _not_its_own(facts: dict, version: str) -> str:
+    """What the import check found not to be the release's own (its TE, its torch extension); "" when both are."""
+    problems = []
+    if facts.get("version") != version or not facts.get("from_site"):
+        where = "its folder" if facts.get("from_site") else "elsewhere"
+        problems.append(f"it imported TE {facts.get('version')} from {where}, not {version} from its folder")
+    if not facts.get("extension_from_site"):
+        problems.append(f"its torch extension from {facts.get('extension') or 'nowhere'}, not from its folder")
+    return "; ".join(problems)
 
 
 def _checked(done: subprocess.CompletedProcess) -> dict | None:

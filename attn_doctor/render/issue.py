@@ -186,7 +186,10 @@ def issue_title(fault: Fault, report: RunReport) -> str:
     if fault.bisect is not None and fault.bisect.necessary:
         when = "when " + ", ".join(condition_text(c) for c in fault.bisect.necessary)
     env = report.env
-    versions = [*([f"TE {env.te.value}"] if env is not None and env.te.value else []), *fault.builds.versions(),
+    # the row's own release (`--te`) first; where other releases ran too, what they did says it ("reproduced with TE
+    # 2.18.0 and 2.20.2"), as the cuDNN builds' outcome replaces the one build
+    te = None if fault.builds.te_elsewhere else fault.builds.te or (env.te.value if env is not None else None)
+    versions = [*([f"TE {te}"] if te else []), *fault.builds.versions(),
                 *(g.name for g in env.gpus[:1] if env is not None)]
     prefix = "[PyTorch] " if is_te_family(row.family) else ""
     return f"{prefix}{path_name(row)} {what} {when}" + (f" ({', '.join(versions)})" if versions else "")
@@ -214,7 +217,7 @@ def summary(fault: Fault) -> str:
         text += f" On the same inputs {escape(row.backend)} itself is right {on_layouts}."
     if fault.found_on is not None and fault.bisect is None:  # a bisect says so under "Minimal case"
         text += f" attn-doctor bisected it from {escape(fault.found_on.coords.describe())} down to this case."
-    builds = fault.builds.sentence("It")  # the path, named at the paragraph's start
+    builds = fault.builds.sentence("It", elsewhere=False)  # named at the paragraph's start; the title says the rest
     return f"{text} {escape(builds)}" if builds else text
 
 
@@ -383,7 +386,7 @@ def environment(report: RunReport, builds: RowBuilds | None = None) -> list[str]
         return lines + ["Not recorded in these results: run `attn-doctor env` on the machine and paste its output.",
                         ""]
     lines += ["- Environment location: _(bare-metal, Docker image and tag, or cloud)_",
-              f"- Method of Transformer Engine install: {escape(te_install(env))} _(the exact command)_", "",
+              f"- Method of Transformer Engine install: {escape(te_install(env, builds))} _(the exact command)_", "",
               "**Environment details**", ""]
     return lines + [table(["", ""], [[escape(label), escape(value)] for label, value in
                                      template_environment(env, builds) if label not in NOT_ASKED]), ""]

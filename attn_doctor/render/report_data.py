@@ -156,23 +156,33 @@ class RowBuilds:
     # "" where the row read `cudnn` back itself (TE's rows since per-row read-back); else whose the machine's is
     # ("TE", "PyTorch"), as its fingerprint read it: what that library loads where no build was asked for
     loaded_by: str = ""
+    te: str | None = None  # the TE release a `--te` row ran, read back in its worker ("2.18.0"); None: the machine's
+    te_elsewhere: str = ""  # "fails with TE 2.18.0, passes with 2.20.2: fixed by 2.20.2", or ""
 
     def versions(self) -> list[str]:
-        """For a title: the other builds' outcome where there is one, else the row's own builds."""
-        if self.elsewhere:
-            return [self.elsewhere]
+        """For a title, after the TE release: the other releases' and builds' outcomes where there are some, else
+        the row's own builds."""
+        if self.elsewhere or self.te_elsewhere:
+            from attn_doctor.machine.cudnn_builds import REPRODUCED
+
+            both = f"{self.te_elsewhere}, {self.elsewhere.removeprefix(REPRODUCED)}"  # "reproduced with" said once
+            if self.te_elsewhere.startswith(REPRODUCED) and self.elsewhere.startswith(REPRODUCED):
+                return [both]
+            return [text for text in (self.te_elsewhere, self.elsewhere) if text]
         return ([f"cuDNN {self.cudnn}"] if self.cudnn else []) + (
             [f"FlashAttention {self.flash_attn}"] if self.flash_attn else [])
 
-    def sentence(self, path: str) -> str:
-        """One sentence for a description ("" when the row read back no build)."""
-        ran = ([f"cuDNN {self.cudnn}"] if self.cudnn else []) + (
+    def sentence(self, path: str, elsewhere: bool = True) -> str:
+        """One sentence for a description ("" when the row read back no build and no release); with `elsewhere`,
+        what the run's other releases and builds did too (an issue's title says that already)."""
+        ran = ([f"TE {self.te}"] if self.te else []) + ([f"cuDNN {self.cudnn}"] if self.cudnn else []) + (
             [f"FlashAttention {self.flash_attn}"] if self.flash_attn else [])
         if not ran:
             return ""
         how = (f"the one {self.loaded_by} loads on this machine" if self.loaded_by else
                "read back from the library in the failing call's process")
-        also = f"; on this run's other builds: {self.elsewhere}" if self.elsewhere else ""
+        also = "".join(f"; on this run's other {what}: {text}" for what, text in (
+            ("TE releases", self.te_elsewhere), ("builds", self.elsewhere)) if text and elsewhere)
         return f"{path} ran on {' and '.join(ran)} ({how}){also}."
 
 
@@ -198,21 +208,32 @@ def row_builds(row: Row, rows: list[Row], bisect: BisectRecord | None = None,
                               ("", None))
         cudnn = machine.value.split()[0] if machine is not None and machine.value else None
     flash = _FLASH_RAN.search(row.ran or "")
-    elsewhere = bisect.cudnn_sentence() if bisect is not None else ""
-    if not elsewhere and read_back:
+    release = row.extra.get("te") if row.coords.backend.options.get("te") else None  # read back, `--te` rows only
+
+    def across(varying: str, fixed: str, library: str) -> str:
+        """How the same path went on the same case and layout on each value of `varying` ("cudnn", "te") that
+        the row's `fixed` one shares: the rows' own read-back of both."""
         path = without_build(row.backend)
         outcomes: dict[str, set[str]] = {}
         for other in rows:
-            seen = other.extra.get("cudnn")
+            seen = other.extra.get(varying)
             if (without_build(other.backend) == path and other.case.key() == row.case.key()
-                    and other.layout == row.layout and other.extra.get("te") == row.extra.get("te")  # one release
+                    and other.layout == row.layout and other.extra.get(fixed) == row.extra.get(fixed)
                     and seen and other.verdict in (PASS, FAIL, "ERROR")):
                 outcomes.setdefault("pass" if other.verdict == PASS else "fail", set()).add(str(seen))
         failing, passing = outcomes.get("fail", set()), outcomes.get("pass", set())
-        elsewhere = builds_sentence(sorted(failing - passing, key=version_order),
-                                    sorted(passing - failing, key=version_order))
+        return builds_sentence(sorted(failing - passing, key=version_order),
+                               sorted(passing - failing, key=version_order), library=library)
+
+    elsewhere = bisect.cudnn_sentence() if bisect is not None else ""
+    if not elsewhere and read_back:
+        elsewhere = across("cudnn", "te", "cuDNN")  # one release's builds
+    te_elsewhere = bisect.te_sentence() if bisect is not None else ""
+    if not te_elsewhere and release:
+        te_elsewhere = across("te", "cudnn", "TE")  # one build's releases
     return RowBuilds(cudnn=cudnn, flash_attn=flash.group(1) if flash else None, elsewhere=elsewhere,
-                     loaded_by=loaded_by if cudnn else "")
+                     loaded_by=loaded_by if cudnn else "", te=str(release) if release else None,
+                     te_elsewhere=te_elsewhere)
 
 
 def severity(row: Row) -> tuple:
@@ -423,6 +444,10 @@ def template_environment(env: EnvReport, builds: RowBuilds | None = None) -> lis
                  f"{builds.cudnn}, loaded by TE for the failing call (read back); the machine's: {te_default}"
                  f"{fact(env.torch_cudnn)} PyTorch's")
         cudnn += f"; {builds.elsewhere}" if builds.elsewhere else ""
+    te = f"{fact(env.te)} (core {fact(env.te_core)}; PyTorch extension {fact(env.te_torch)})"
+    if builds is not None and builds.te:  # a `--te` row: the release it ran, as its worker read it back
+        te = (f"{builds.te} for the failing call (read back); installed: {fact(env.te)}"
+              if builds.te != env.te.value else f"{te}; the failing call ran it (read back)")
     flash = flash_text(env)
     if builds is not None and builds.flash_attn:
         flash = f"{builds.flash_attn}, run by TE for the failing call (read back); installed: {flash}"
@@ -431,8 +456,7 @@ def template_environment(env: EnvReport, builds: RowBuilds | None = None) -> lis
         ("NVIDIA driver", fact(env.driver)),
         ("CUDA version", f"{fact(env.torch_cuda)} (PyTorch's build)"),
         ("cuDNN version", cudnn),
-        ("Transformer Engine version",
-         f"{fact(env.te)} (core {fact(env.te_core)}; PyTorch extension {fact(env.te_torch)})"),
+        ("Transformer Engine version", te),
         ("PyTorch version", fact(env.torch)),
         ("Python version", fact(env.python)),
         ("OS version", f"{operating_system} ({fact(env.platform)})" if env.os is not None else operating_system),
@@ -442,7 +466,11 @@ def template_environment(env: EnvReport, builds: RowBuilds | None = None) -> lis
     ]
 
 
-def te_install(env: EnvReport) -> str:
-    """What attn-doctor knows of how TE was installed: the distribution that provides its core."""
-    return f"{fact(env.te_core)} is installed" if env.te_core.value else fact(env.te_core)
+def te_install(env: EnvReport, builds: RowBuilds | None = None) -> str:
+    """What attn-doctor knows of how TE was installed: the distribution that provides its core; for a row on a
+    prepared release (`--te`), that release too."""
+    installed = f"{fact(env.te_core)} is installed" if env.te_core.value else fact(env.te_core)
+    if builds is not None and builds.te and builds.te != env.te.value:
+        return f"`attn-doctor te add {builds.te}` beside {installed}"
+    return installed
 
