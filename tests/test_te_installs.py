@@ -207,6 +207,11 @@ def test_a_worker_puts_the_release_first_on_its_path_and_reads_back_what_it_impo
     assert "imported TE 2.20.2 from /usr/lib" in te_installs.release_not_honoured(
         install, "2.20.2", "/usr/lib/python3/transformer_engine/__init__.py")
     assert "its folder holds TE 2.17.0" in te_installs.release_not_honoured(install, "2.17.0", inside)
+    own_extension = str(Path(install.site) / "transformer_engine" / "wheel_lib" / "transformer_engine_torch.so")
+    assert te_installs.release_not_honoured(install, "2.18.0", inside, own_extension) is None
+    elsewhere = "/env/site-packages/transformer_engine/wheel_lib/transformer_engine_torch.so"
+    assert "loaded the torch extension /env/site-packages" in te_installs.release_not_honoured(
+        install, "2.18.0", inside, elsewhere)
 
 
 def test_a_te_path_whose_worker_imported_another_release_is_a_skip_saying_so(monkeypatch, tmp_path):

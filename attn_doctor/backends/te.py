@@ -503,7 +503,8 @@ class TEAttention(Backend):
             from attn_doctor.machine.te_installs import TEInstall, release_not_honoured
 
             imported = getattr(sys.modules.get("transformer_engine"), "__file__", None)
-            why = release_not_honoured(TEInstall.from_dict(release), _te_facts.get("te"), imported)
+            extension = getattr(sys.modules.get("transformer_engine_torch"), "__file__", None)
+            why = release_not_honoured(TEInstall.from_dict(release), _te_facts.get("te"), imported, extension)
             if why:
                 raise Unsupported(f"--te not honoured: {why}")
             self.cudnn["te"] = _te_facts.get("te")

@@ -296,19 +296,26 @@ def use_prepared_release(environ: Mapping[str, str] | None = None) -> str | None
     return site or None
 
 
-def release_not_honoured(wanted: TEInstall, imported_version: str | None, imported_file: str | None) -> str | None:
+def _inside(path: str | None, folder: str) -> bool:
+    return bool(path) and str(Path(path).resolve()).startswith(str(Path(folder).resolve()))
+
+
+def release_not_honoured(wanted: TEInstall, imported_version: str | None, imported_file: str | None,
+                         extension_file: str | None = None) -> str | None:
     """Why the TE a worker imported is not the release asked for (another version, or the environment's copy
-    rather than the release's folder); None when it is."""
+    rather than the release's folder, or a prepared release's Python with another copy's torch extension,
+    `extension_file` where it is known); None when it is."""
     where = imported_file or "nowhere"
     if not wanted.prepared:  # the environment's own: its version, from no prepared release's folder
-        if imported_version != wanted.version or (imported_file and str(Path(imported_file).resolve()).startswith(
-                str(te_home().resolve()))):
+        if imported_version != wanted.version or _inside(imported_file, str(te_home())):
             return f"asked for the installed TE {wanted.version}, imported TE {imported_version or '?'} from {where}"
         return None
-    if not imported_file or not str(Path(imported_file).resolve()).startswith(str(Path(wanted.site).resolve())):
+    if not _inside(imported_file, wanted.site):
         return f"asked for TE {wanted.version} from {wanted.site}, imported TE {imported_version or '?'} from {where}"
     if imported_version != wanted.version:
         return f"asked for TE {wanted.version}, its folder holds TE {imported_version or '?'}"
+    if extension_file is not None and not _inside(extension_file, wanted.site):
+        return f"TE {wanted.version} from its folder loaded the torch extension {extension_file}, not its own"
     return None
 
 
