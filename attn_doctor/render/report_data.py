@@ -165,9 +165,8 @@ class RowBuilds:
         if self.elsewhere or self.te_elsewhere:
             from attn_doctor.machine.cudnn_builds import REPRODUCED
 
-            both = f"{self.te_elsewhere}, {self.elsewhere.removeprefix(REPRODUCED)}"  # "reproduced with" said once
             if self.te_elsewhere.startswith(REPRODUCED) and self.elsewhere.startswith(REPRODUCED):
-                return [both]
+                return [f"{self.te_elsewhere}, {self.elsewhere.removeprefix(REPRODUCED)}"]  # "reproduced with" once
             return [text for text in (self.te_elsewhere, self.elsewhere) if text]
         return ([f"cuDNN {self.cudnn}"] if self.cudnn else []) + (
             [f"FlashAttention {self.flash_attn}"] if self.flash_attn else [])
