@@ -16,7 +16,7 @@ from attn_doctor.core.probe_kinds import rules_for
 from attn_doctor.execution.progress import ProgressSink
 from attn_doctor.core.processes import check_timeout
 from attn_doctor.execution.budget import MemoryAsk
-from attn_doctor.probes.plan import Point, plan_points, point_kind, shard_of
+from attn_doctor.probes.plan import Point, in_build_order, plan_points, point_kind, shard_of
 from attn_doctor.results.log import DOCUMENT_FILE, ResultsLog
 from attn_doctor.results.report import RunReport, dumps
 from attn_doctor.results.row import Row
@@ -123,7 +123,7 @@ def prepare(request: SweepRequest) -> SweepPlan:
                        "grid (another grid, or another --shard); resume with the command that started it")
     check_resumable(request.directory, done_rows, points, request.specs)
     check_same_repeats(request.directory, done_rows, request.repeats)
-    todo = [p for p in points if p.id not in done_points]
+    todo = in_build_order([p for p in points if p.id not in done_points])
     plan = SweepPlan(request, log, points, todo, done_rows)
     can_run = set(runnable([c for p in points for c in p.coords(request.specs)], request.specs, request.device,
                            kind, request.degrees or [1]))

@@ -4,7 +4,7 @@
 #   bash benchmarks/h100/issue51.sh PHASE DEST     (DEST: $OUT; gets PHASE.tgz)
 # cold-new   env, then te-coverage from a cold start on this tree (the first sweep this machine runs)
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree, then this tree profiled
-# tests      te-tests cold on this tree, every path (te.flash: FlashAttention not installed yet), monitored
+# tests      te-tests cold on this tree (BASE=1: on .device-base), every path (te.flash: no FlashAttention yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
 # cost       where a TE probe's time goes: benchmarks/te_probe_cost.py (7 processes at once, then 1), then a sixth of
 #            te-coverage cold on TE's paths with one worker, profiled (its worker's cProfile summarised)
@@ -35,7 +35,10 @@ case "$phase" in
   tests)
     DUMP_AT="${DUMP_AT:-240 420}" bash "$root/benchmarks/h100/monitor.sh" "$out" 10 &
     monitor=$!
-    LIMIT=${LIMIT:-500} "${cold[@]}" te-tests "$root" --recipe te-tests "${workers[@]}"
+    # BASE=1: the commit before (.device-base, carried), for a paired run in the same lease
+    tree=$root label=te-tests
+    [ "${BASE:-0}" = 1 ] && tree=$root/.device-base label=te-tests-base
+    LIMIT=${LIMIT:-500} "${cold[@]}" "$label" "$tree" --recipe te-tests "${workers[@]}"
     kill "$monitor" 2>/dev/null ;;
   fa4)
     LIMIT=${LIMIT:-420} "${cold[@]}" te-tests-fa4 "$root" --recipe te-tests --family fa4_base,fa4_mla,fa4_swa,fa4_varlen,fa4_mask \
