@@ -105,7 +105,7 @@ def shard_of(points: list[Point], index: int, count: int) -> list[Point]:
 def kernel_key(case: Case) -> tuple:
     """What the libraries under test build a kernel for, as far as a case says: cuDNN compiles a kernel per dtype,
     head dims, mask, bias, softmax, window, FP8 recipe and ragged layout, and reuses it across batch sizes, layouts
-    and GQA (the H100: 1.1 s of CPU for a new configuration, 0.1 s once built, 0.09 s for bshd after sbhd at
+    and GQA (the H100: 1.1 s of CPU for a new configuration, 0.1 s once built, 0.09 s for sbhd after bshd at
     the same dims; reports/h100/issue51/lease4). An approximation: it orders work, it judges nothing."""
     return (case.dtype, case.head_dim, case.head_dim_v, case.mask, case.bias.split(":")[0], case.softmax,
             case.window is not None, case.fp8, case.fp8_backward, case.qkv_format == "thd", case.forward_only)
