@@ -6,7 +6,7 @@
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree, then this tree profiled
 # tests      te-tests cold on this tree (BASE=1: on .device-base), every path (te.flash: no FlashAttention yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
-# cost       where a TE probe's time goes: benchmarks/te_probe_cost.py (7 processes at once, then 1), then a sixth of
+# cost       where a TE probe's time goes: benchmarks/te_probe_cost.py (1 process cold, 7 at once cold, 7 warm), then a sixth of
 #            te-coverage cold on TE's paths with one worker, profiled (its worker's cProfile summarised)
 # bisect     the te-tests FAILs no known-defect rule explained (lease 3): each bisected, at most BISECT_LIMIT s
 # both       cold-new, then tests (COVERAGE_LIMIT, TESTS_LIMIT seconds each)
@@ -44,8 +44,13 @@ case "$phase" in
     LIMIT=${LIMIT:-420} "${cold[@]}" te-tests-fa4 "$root" --recipe te-tests --family fa4_base,fa4_mla,fa4_swa,fa4_varlen,fa4_mask \
         "${workers[@]}" --backend te.flash --backend local ;;
   cost)
-    rm -rf ~/.nv/ComputeCache ~/.triton ~/.cache/torch 2>/dev/null  # what the sweeps before compiled
-    python3 "$root/benchmarks/te_probe_cost.py" "$out" --processes 7,1 > "$out/te-probe-cost.log" 2>&1
+    # 1 process with CUDA's JIT cache emptied, 7 at once emptied again, 7 at once keeping what those built
+    for run in "1 cold" "7 cold" "7 warm"; do
+        set -- $run
+        [ "$2" = cold ] && rm -rf ~/.nv/ComputeCache ~/.triton ~/.cache/torch 2>/dev/null
+        mkdir -p "$out/c-$1-$2"
+        python3 "$root/benchmarks/te_probe_cost.py" "$out/c-$1-$2" --processes "$1" > "$out/c-$1-$2/log.txt" 2>&1
+    done
     PROFILE=1 LIMIT=${LIMIT:-150} "${cold[@]}" te-profiled "$root" --recipe te-coverage --shard 1/6 \
         --backend te.fused --backend te.fused.det --backend te.unfused --workers 1
     python3 - "$out"/prof-te-profiled > "$out/te-profiled-summary.txt" 2>&1 <<'PY'
