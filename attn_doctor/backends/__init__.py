@@ -203,11 +203,13 @@ def flash_style(spec: BackendSpec) -> bool:
 
 
 def process_of(spec: BackendSpec) -> tuple[str, dict[str, str]]:
-    """The worker process a spec runs in: a key naming it ("te", or "te with cuDNN from DIR") and the
-    variables it starts with."""
+    """The worker process a spec runs in: a key naming it ("te", or "te with TE 2.18.0 with cuDNN from DIR") and
+    the variables it starts with. The environment's own TE release (`--te` naming it) starts no process of its own."""
+    from attn_doctor.machine.te_installs import SITE_VARIABLE
+
     environment = backend_class(spec).process_environment(spec)
     cudnn, release = spec.options.get("cudnn"), spec.options.get("te")
-    key = spec.family + (f" with TE {release['version']}" if environment and release else "") + (
+    key = spec.family + (f" with TE {release['version']}" if SITE_VARIABLE in environment else "") + (
         f" with cuDNN from {cudnn['directory']}" if environment and cudnn else "")
     return key, environment
 

@@ -409,9 +409,9 @@ class TEAttention(Backend):
         from attn_doctor.machine.te_installs import SITE_VARIABLE, TEInstall
 
         cudnn, release = spec.options.get("cudnn"), spec.options.get("te")
+        site = TEInstall.from_dict(release).site if release else ""  # "" for the environment's own TE
         return {**(loader_environment(CudnnBuild.from_dict(cudnn)) if cudnn else {}),
-                **({SITE_VARIABLE: TEInstall.from_dict(release).site}
-                   if release and TEInstall.from_dict(release).prepared else {})}
+                **({SITE_VARIABLE: site} if site else {})}
 
     @classmethod
     def repro_source(cls, spec: BackendSpec) -> str:

@@ -241,7 +241,8 @@ CATEGORICAL: tuple[Categorical, ...] = (
     Categorical("inputs", lambda c: c.case.inputs,  # the plainer distributions, plainest first
                 lambda c: list(INPUTS_PLAINEST_FIRST[:INPUTS_PLAINEST_FIRST.index(c.case.inputs)]),
                 lambda c, v: _with_case(c, inputs=v)),
-    # The cuDNN build TE's process loads: "fails with 9.14.0, passes with 9.19.0" is a condition like any other.
+    # The TE release and the cuDNN build TE's process loads: "fails with 9.14.0, passes with 9.19.0" is a condition
+    # like any other.
     Categorical("te", _te_value, _other_te_releases, _set_te, adopt=False),
     Categorical("cudnn", _cudnn_value, _other_cudnn_builds, _set_cudnn, adopt=False),
 )

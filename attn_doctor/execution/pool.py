@@ -57,8 +57,8 @@ def prestart(family: str, device: str, environment: dict[str, str] | None = None
 def prestart_te(backends: tuple[str, ...] | list[str], cudnn: str | None, device_name: str) -> None:
     """Start the TE worker a command is about to ask for (`prestart`), guessed from its flags alone, before torch
     is imported: TE's paths selected (no --backend, or one naming te), no --cudnn or --te (`cudnn`: either; each
-    build's or release's paths start a process of their own), a CUDA device (`auto` where an NVIDIA device node exists) and TE installed. A wrong
-    guess costs a process killed at exit, never a row."""
+    build's or release's paths start a process of their own), a CUDA device (`auto` where an NVIDIA device node
+    exists) and TE installed. A wrong guess costs a process killed at exit, never a row."""
     import importlib.util
 
     layers = ("te.module", "te.mha", "te.layer")  # TE's layers: a worker of their own family (backends.te_module)

@@ -371,11 +371,10 @@ class Session:
         by_process: dict[str, list[tuple[int, int]]] = {}
         for group, index in sorted(batch.deferred):
             by_process.setdefault(process_of(batch.groups[group][index].backend)[0], []).append((group, index))
-        for group, index in (unit for units in by_process.values() for unit in units):
+        for key, group, index in ((key, *unit) for key, units in by_process.items() for unit in units):
             if batch.stopped.is_set():
                 return
             coords = batch.groups[group][index]
-            key = process_of(coords.backend)[0]
             for other_key, pool in self.workers.items():
                 for number, worker in enumerate(pool):
                     if other_key != key or number > 0:
