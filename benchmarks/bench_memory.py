@@ -27,13 +27,17 @@ GIB = 1 << 30
 
 
 def _role(pid: int, root: int) -> str:
-    """"parent", "worker FAMILY" or the command line's start, for a process of the command."""
+    """"parent", "worker FAMILY" or the command line's start, for a process of the command (a forked worker's
+    command line is its fork server's: it is told by the name it took)."""
     if pid == root:
         return "parent"
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "?"
+    if name.startswith("worker "):
+        return name
     words = [a.decode(errors="replace") for a in args if a]
     if "attn_doctor.execution.worker" in words:
         return "worker " + " ".join(words[words.index("attn_doctor.execution.worker") + 1:][:1])

@@ -307,12 +307,19 @@ def _interrupt(tmp_path: Path, args: list[str], busy, settle: float = 1.0, signu
 
 
 def _workers(children: list[int]) -> list[int]:
-    return [pid for pid in children if b"attn_doctor.execution.worker" in _cmdline(pid)]
+    return [pid for pid in children if _family(pid)]
 
 
 def _family(pid: int) -> bytes:
+    """The family of a worker process (launched: its command line's; forked: the name it took, `worker FAMILY`)."""
     words = _cmdline(pid).split(b"\0")
-    return words[words.index(b"attn_doctor.execution.worker") + 1] if b"attn_doctor.execution.worker" in words else b""
+    if b"attn_doctor.execution.worker" in words:
+        return words[words.index(b"attn_doctor.execution.worker") + 1]
+    try:
+        name = Path(f"/proc/{pid}/comm").read_bytes().strip()
+    except OSError:
+        return b""
+    return name.split(b" ", 1)[1] if name.startswith(b"worker ") else b""
 
 
 def _cmdline(pid: int) -> bytes:

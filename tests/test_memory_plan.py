@@ -461,16 +461,30 @@ def test_a_session_runs_what_its_plan_cannot_fit_and_lets_it_be_too_big(recorded
 
 # --- how many workers, and phases by size ----------------------------------------------------------------------------
 
-def test_on_a_gpu_the_cores_are_shared_among_the_families_by_their_probes_and_on_the_cpu_one_each():
+def test_on_a_gpu_the_cores_are_shared_among_the_families_by_their_work_and_on_the_cpu_one_each():
     from attn_doctor.execution.concurrency import FLOOR, default_workers
 
-    probes = {"te": 400, "sdpa": 400, "local": 100}
+    work = {"te": 400 * 0.28, "sdpa": 400 * 0.12, "local": 100 * 0.1}  # te-coverage's probes, weighed
     units = {"te": 100, "sdpa": 100, "local": 100}
-    shares = default_workers(probes, units, "cuda", cores=16)
-    assert shares == {"te": 7, "sdpa": 7, "local": 2}  # 15 slots (one core the parent's), by probes
-    assert default_workers(probes, units, "cuda", cores=2) == {"te": FLOOR, "sdpa": FLOOR, "local": FLOOR}
-    assert default_workers(probes, {"te": 1, "sdpa": 3, "local": 100}, "cuda", cores=64)["te"] == 1  # one per unit
-    assert default_workers(probes, units, "cpu", cores=64) == {"te": 1, "sdpa": 1, "local": 1}
+    shares = default_workers(work, units, "cuda", cores=16)
+    assert shares == {"te": 10, "sdpa": 4, "local": 2}  # 15 slots (one core the parent's), by work; the floor
+    even = default_workers({"te": 40.0, "sdpa": 40.0, "local": 10.0}, units, "cuda", cores=16)
+    assert even == {"te": 7, "sdpa": 7, "local": 2}  # the same work, the same share
+    assert default_workers(work, units, "cuda", cores=2) == {"te": FLOOR, "sdpa": FLOOR, "local": FLOOR}
+    assert default_workers(work, {"te": 1, "sdpa": 3, "local": 100}, "cuda", cores=64)["te"] == 1  # one per unit
+    assert default_workers(work, units, "cpu", cores=64) == {"te": 1, "sdpa": 1, "local": 1}
+
+
+def test_a_familys_work_is_its_probes_weighed_by_what_a_probe_of_it_takes():
+    from attn_doctor.execution.memory_plan import _demand
+
+    case = make_case(seq=256)
+    coords = [c for point in plan_points([case, make_case(seq=256, seed=2)], [])
+              for c in point.coords(select(["sdpa.math", "sdpa.efficient", "local"]))]
+    work = _demand(coords, "cuda", 1).work
+    count = {family: sum(c.backend.family == family for c in coords) for family in ("sdpa", "local")}
+    assert count["sdpa"] == 2 * count["local"] > 0
+    assert work == pytest.approx({"sdpa": count["sdpa"] * 0.12, "local": count["local"] * 0.1})
 
 
 def _sized_groups(small: int, large: int, specs=None):

@@ -187,6 +187,11 @@ def own_layout(spec: BackendSpec) -> str | None:
     return backend_class(spec).own_layout(spec)
 
 
+def probe_seconds(spec: BackendSpec) -> float:
+    """About how long one probe of the spec takes its worker on a GPU (`Backend.probe_seconds`)."""
+    return backend_class(spec).probe_seconds
+
+
 def is_layer_path(spec: BackendSpec) -> bool:
     """Whether the spec is a whole layer around the attention (`Backend.layer_path`), judged on its own yardsticks."""
     return spec.family in REGISTRY and backend_class(spec).layer_path
@@ -221,6 +226,6 @@ def prepare_process(family: str) -> dict:
 
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
-           "repro_source", "short_call", "match_format", "match_context", "flash_style", "prepare_process", "process_of",
+           "repro_source", "short_call", "match_format", "probe_seconds", "match_context", "flash_style", "prepare_process", "process_of",
            "with_cudnn", "on_build", "with_te", "on_release", "without_build", "CUDNN_MARK", "TE_MARK", "own_layout",
            "is_layer_path", "is_te_family"]

@@ -16,6 +16,7 @@ In the parent process (class methods; no worker is started, nothing heavy is imp
                        the format it runs a case in (`format_for`)
   `match_context()`    how a spec runs beyond the machine's defaults, for those rules (TE's deterministic path:
                        {"deterministic": True})
+  `probe_seconds`      about how long one probe takes its worker on a GPU: the cores a sweep gives the family
   `flash_style()`      whether the spec's backward takes the softmax backward's D = rowsum(dO * O) from the
                        output it returned, rounded (FlashAttention's way): its dQ and dK are then judged with what
                        that rounding makes (`attn_doctor.numerics.rounded_output`); False by default
@@ -131,6 +132,9 @@ class Backend(ABC):
     opt_in: ClassVar[bool] = False
     # The options a spec of this family cannot be rebuilt without (text each): a results row read back must have them.
     required_options: ClassVar[tuple[str, ...]] = ()
+    # About how many seconds of its worker's time one probe takes on a GPU, mostly its library's first calls
+    # (building kernels): a sweep's cores are shared among the families in proportion (`execution.concurrency`).
+    probe_seconds: ClassVar[float] = 0.1
 
     # -- in the parent ----------------------------------------------------------------------------------
 

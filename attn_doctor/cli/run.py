@@ -58,9 +58,9 @@ def run(app: Application, json_path: Path | None, profile: bool, wide: bool, npr
 
     memory = MemoryAsk(max_memory, read_free(device))  # before any process of ours holds memory
     if nproc is None:
-        from attn_doctor.execution.pool import prestart_te
+        from attn_doctor.execution.pool import prestart_servers
 
-        prestart_te(backends, cudnn or te_release, device)  # TE's import overlaps this process's own start
+        prestart_servers(backends, cudnn or te_release, device)  # their imports overlap this process's start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.workflows.run import RunInterrupted, RunRequest, sized_for_cpu

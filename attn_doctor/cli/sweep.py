@@ -54,11 +54,11 @@ def sweep(app: Application, backends, kernels, te_release, cudnn, layouts, devic
     if resume is not None and out_dir is not None and resume != out_dir:
         raise BadInput("give either --resume DIR or --out DIR, not both")
     from attn_doctor.execution.budget import MemoryAsk
-    from attn_doctor.execution.pool import prestart_te
+    from attn_doctor.execution.pool import prestart_servers
     from attn_doctor.machine.memory import read_free
 
     memory = MemoryAsk(max_memory, read_free(device))  # before any process of ours holds memory
-    prestart_te(backends, cudnn or te_release, device)  # TE's import overlaps this process's own start
+    prestart_servers(backends, cudnn or te_release, device)  # their imports overlap this process's start
     from attn_doctor.backends import select
     from attn_doctor.machine.devices import resolve_device
     from attn_doctor.core.paths import check_output

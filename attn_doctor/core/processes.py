@@ -17,7 +17,7 @@ from attn_doctor.core.errors import BadInput
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
-_live: set[subprocess.Popen] = set()
+_live: set[Any] = set()  # subprocess.Popen, or execution.fork_server.ForkedProcess
 _lock = threading.Lock()
 
 
@@ -63,14 +63,21 @@ def describe_exit(returncode: int) -> str:
 
 
 def start(command: Sequence[str], *, stdin: Any = subprocess.DEVNULL, stdout: Any = subprocess.PIPE,
-          stderr: Any = subprocess.PIPE, env: dict[str, str] | None = None, text: bool = False) -> subprocess.Popen:
+          stderr: Any = subprocess.PIPE, env: dict[str, str] | None = None, text: bool = False,
+          pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """Start `command` in a new session, remembered until it is reaped by `wait`, `kill_group` or `stop`."""
     kwargs: dict[str, Any] = {"errors": "replace"} if text else {}
     proc = subprocess.Popen(list(command), stdin=stdin, stdout=stdout, stderr=stderr, env=env or child_env(),
-                            start_new_session=True, text=text, **kwargs)
+                            start_new_session=True, text=text, pass_fds=tuple(pass_fds), **kwargs)
+    remember(proc)
+    return proc
+
+
+def remember(proc: Any) -> None:
+    """Remember a child this module did not start (a worker forked by a fork server and re-parented here: it has
+    Popen's pid, poll, wait and kill) until it is reaped, so that Ctrl-C takes it down with the rest."""
     with _lock:
         _live.add(proc)
-    return proc
 
 
 def _forget(proc: subprocess.Popen) -> None:

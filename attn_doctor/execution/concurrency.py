@@ -1,14 +1,15 @@
 """How many worker processes each backend family gets when the user does not say (`sweep --workers`).
 
-On a GPU a sweep's probes are mostly first calls, and a first call's time is mostly the CPU's, not the card's (on
-the H100 with TE 2.20.2 a te.fused probe took 0.86 s on average over TE's test matrix, a te.fused.det one 0.45 s and
-an sdpa.cudnn one 0.41 s, where the median probe took 11 ms: reports/h100/issue51/te-tests-partial; cuDNN builds
-each configuration's graph on its first call), spent in the one process that makes it. So a sweep goes as fast as
-the processes it runs at once, up to the machine's cores, and the card's memory is what limits them
-(`memory_plan.plan_memory` runs fewer where they do not fit). The cores are shared among the families in
-proportion to their probes, each family at least `FLOOR` workers (the former fixed default) where it has that many
-units, at most one per unit. On the CPU every process computes with all the cores it is given
-(`session.cpu_threads` shares them out), so one worker per family.
+On a GPU a sweep's probes are mostly first calls, and a first call's time is mostly the CPU's, not the card's (cuDNN
+builds each configuration's kernel on its first call: about 1.1 s of host CPU for a new one on the H100 with TE
+2.20.2, where the same call again takes 2.4 ms; reports/h100/issue51/lease4/cost), spent in the one process that
+makes it. So a sweep goes as fast as the processes it runs at once, up to the machine's cores, and the card's memory
+is what limits them (`memory_plan.plan_memory` runs fewer where they do not fit). The cores are shared among the
+families in proportion to their work: their probes, each weighed by what a probe of its family takes
+(`Backend.probe_seconds`: a TE probe about 2.3 times an SDPA one, measured). Counted by probes alone, te-coverage's 7
+TE workers were the critical path while its 6 SDPA workers idled half the time (reports/h100/issue51/lease3). Each
+family gets at least `FLOOR` workers where it has that many units, at most one per unit. On the CPU every process
+computes with all the cores it is given (`session.cpu_threads` shares them out), so one worker per family.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ def cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def default_workers(probes: dict[str, int], units: dict[str, int], device: str, cores: int | None = None
+def default_workers(work: dict[str, float], units: dict[str, int], device: str, cores: int | None = None
                     ) -> dict[str, int]:
-    """Workers per process key (`backends.process_of`) when --workers is not given: `probes` and `units` (the
-    (point, case) pieces a worker takes whole) per key. On a GPU the cores less the parent's, shared in proportion
-    to the probes, at least FLOOR and at most the units; on the CPU one each."""
+    """Workers per process key (`backends.process_of`) when --workers is not given: `work` (its probes' seconds,
+    `Backend.probe_seconds` each) and `units` (the (point, case) pieces a worker takes whole) per key. On a GPU the
+    cores less the parent's, shared in proportion to the work, at least FLOOR and at most the units; on the CPU one
+    each."""
     if not device.startswith("cuda"):
-        return {key: 1 for key in probes}
+        return {key: 1 for key in work}
     slots = max(1, (cores or cpu_cores()) - 1)  # the parent computes the float64 references and judges
-    total = sum(probes.values()) or 1
-    return {key: max(1, min(units.get(key, 1), max(FLOOR, round(slots * count / total))))
-            for key, count in probes.items()}
+    total = sum(work.values()) or 1.0
+    return {key: max(1, min(units.get(key, 1), max(FLOOR, round(slots * seconds / total))))
+            for key, seconds in work.items()}

@@ -204,7 +204,7 @@ class _Demand:
     units: dict[str, int]
     references: list[tuple[int, int]]  # (kept, scratch) per distinct reference
     depth: bool
-    probes: dict[str, int] = field(default_factory=dict)  # process key -> its probes
+    work: dict[str, float] = field(default_factory=dict)  # process key -> its probes' seconds (`probe_seconds`)
 
 
 def _demand(coords_list: list[Coords], device: str, repeats: int) -> _Demand:
@@ -221,15 +221,15 @@ def _demand(coords_list: list[Coords], device: str, repeats: int) -> _Demand:
     needs: dict[str, int] = {}
     names: dict[str, str] = {}
     units: dict[str, int] = defaultdict(int)
-    probes: dict[str, int] = defaultdict(int)
+    work: dict[str, float] = defaultdict(float)
     for (key, _), unit in per_unit.items():
         units[key] += 1
-        probes[key] += len(unit)
+        work[key] += sum(backends.probe_seconds(c.backend) for c in unit)
         need, name = max((probe_need(c, device, repeats, len(unit)), c.backend.name) for c in unit)
         if need > needs.get(key, -1):
             needs[key], names[key] = need, name
     return _Demand(needs, names, families, dict(units), list(references.values()),
-                   any(c.kind is ProbeKind.DEPTH for c in coords_list), dict(probes))
+                   any(c.kind is ProbeKind.DEPTH for c in coords_list), dict(work))
 
 
 def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -> tuple[int, dict[str, int], int]:
@@ -274,7 +274,7 @@ def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -
 def _asked(demand: _Demand, device: str, workers_per_family: int | dict[str, int] | None) -> dict[str, int]:
     """Workers per process key asked for, at most one per unit."""
     if workers_per_family is None:
-        return default_workers(demand.probes, demand.units, device)
+        return default_workers(demand.work, demand.units, device)
     per_key = workers_per_family if isinstance(workers_per_family, dict) else {}
     return {key: max(1, min(per_key.get(key, workers_per_family if isinstance(workers_per_family, int) else 1),
                             demand.units[key])) for key in demand.needs}

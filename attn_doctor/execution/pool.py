@@ -1,4 +1,5 @@
-"""Parent side of a worker process: start it, feed it jobs, time it out, restart it.
+"""Parent side of a worker process: start it (forked from its kind's fork server where it can be: `fork_server`),
+feed it jobs, time it out, restart it.
 
 A worker that crashes (segfault, abort), hangs past the timeout or reports a CUDA fault turns the job it
 was running into an ERROR reply with the reason and the tail of its stderr; the next job gets a fresh
@@ -7,7 +8,6 @@ worker. Nothing a kernel does can take the tool down.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import queue
@@ -19,17 +19,12 @@ import time
 from typing import Any, Callable
 
 from attn_doctor.core import processes
+from attn_doctor.execution import fork_server
 
 STARTUP_TIMEOUT_S = 300.0
-
-# Worker processes started before anyone asked (`prestart`), by (family, device, environment): each is taken by the
-# first Worker of that key to start (`Worker._start`); one nobody takes is killed when attn-doctor exits.
-_prestarted: dict[tuple, tuple[subprocess.Popen, Any]] = {}
-_prestart_lock = threading.Lock()
-
-
-def _key(family: str, device: str, environment: dict[str, str]) -> tuple:
-    return family, device, tuple(sorted(environment.items()))
+# A forked worker has imported everything already: its start is a CUDA context and one kernel, seconds even on a
+# busy host. One silent past this is taken for a fork the driver will not serve, and started again on its own.
+FORKED_STARTUP_TIMEOUT_S = 60.0
 
 
 def _launch(family: str, device: str, environment: dict[str, str], stderr: Any) -> subprocess.Popen:
@@ -39,53 +34,37 @@ def _launch(family: str, device: str, environment: dict[str, str], stderr: Any) 
 
 
 def prestart(family: str, device: str, environment: dict[str, str] | None = None) -> None:
-    """Start a worker process of `family` on `device` now, for the session's worker of that family to take when it
-    starts. Why: a TE worker's start is TE's import, 8 s of a cold default run's 20 s on an H100's host, and the
-    command's own start (torch's import, the plan, the case's float64 reference) comes before the session starts
-    any worker; started from the command line's first lines, the two overlap. What the worker then runs is
-    what any worker runs: it reports what its library loaded in its hello, read back as always."""
-    key = _key(family, device, environment or {})
-    with _prestart_lock:
-        if key in _prestarted:
-            return
-        if not _prestarted:
-            atexit.register(_discard_prestarted)
-        stderr = tempfile.TemporaryFile(mode="w+b")
-        _prestarted[key] = (_launch(family, device, environment or {}, stderr), stderr)
+    """Start the fork server of `family`'s workers on `device` now (`fork_server`), for the session's workers of
+    that kind to be forked from. Why: a TE worker's start is TE's import, 8 s of a cold default run's 20 s on an
+    H100's host, and the command's own start (torch's import, the plan, the case's float64 reference) comes before
+    the session starts any worker; started from the command line's first lines, the two overlap."""
+    fork_server.server_for(family, device, environment or {})
 
 
-def prestart_te(backends: tuple[str, ...] | list[str], cudnn: str | None, device_name: str) -> None:
-    """Start the TE worker a command is about to ask for (`prestart`), guessed from its flags alone, before torch
-    is imported: TE's paths selected (no --backend, or one naming te), no --cudnn or --te (`cudnn`: either; each
-    build's or release's paths start a process of their own), a CUDA device (`auto` where an NVIDIA device node
-    exists) and TE installed. A wrong guess costs a process killed at exit, never a row."""
+def prestart_servers(backends: tuple[str, ...] | list[str], cudnn: str | None, device_name: str) -> None:
+    """Start the fork servers a command is about to need (`prestart`), guessed from its flags alone, before torch
+    is imported, on a CUDA device only (`auto` where an NVIDIA device node exists): the baseline's (`local`, in every
+    run), SDPA's where its paths are selected (no --backend, or one naming sdpa), and TE's where TE's attention paths
+    are (no --backend, or one naming te), TE is installed and neither --cudnn nor --te is given (`cudnn`: either;
+    each build's or release's paths run in processes with variables of their own). A wrong guess costs a process
+    ended at exit, never a row."""
     import importlib.util
 
-    layers = ("te.module", "te.mha", "te.layer")  # TE's layers: a worker of their own family (backends.te_module)
-    wants_te = not backends or any(name == "te" or name.startswith("te.") and name not in layers for name in backends)
     device = device_name if device_name.startswith("cuda") else (
         "cuda" if device_name == "auto" and os.path.exists("/dev/nvidiactl") else None)
-    if wants_te and not cudnn and device is not None and importlib.util.find_spec("transformer_engine") is not None:
-        prestart("te", device)
+    if device is None:
+        return
 
+    def named(family: str, but: tuple[str, ...] = ()) -> bool:
+        return not backends or any(name == family or name.startswith(family + ".") and name not in but
+                                   for name in backends)
 
-def _take_prestarted(family: str, device: str, environment: dict[str, str]) -> tuple[subprocess.Popen, Any] | None:
-    with _prestart_lock:
-        taken = _prestarted.pop(_key(family, device, environment), None)
-    if taken is not None and taken[0].poll() is not None:  # it died before it was needed: start afresh
-        processes.wait(taken[0])
-        taken[1].close()
-        return None
-    return taken
-
-
-def _discard_prestarted() -> None:
-    with _prestart_lock:
-        left = list(_prestarted.values())
-        _prestarted.clear()
-    for proc, stderr in left:
-        processes.kill_group(proc)
-        stderr.close()
+    layers = ("te.module", "te.mha", "te.layer")  # TE's layers: a worker of their own family (backends.te_module)
+    if named("te", but=layers) and not cudnn and importlib.util.find_spec("transformer_engine") is not None:
+        prestart("te", device)  # first: TE's import is the longest
+    if named("sdpa"):
+        prestart("sdpa", device)
+    prestart("local", device)
 
 
 class Worker:
@@ -106,21 +85,33 @@ class Worker:
         self._lock = threading.Lock()  # start and close may come from different threads
 
     def _start(self) -> str | None:
-        """Start the process and wait for its hello; the reason on failure."""
-        taken = _take_prestarted(self.family, self.device, self.environment)
-        if taken is not None:  # started early (`prestart`): its stderr comes with it
-            self._stderr.close()
-            self._proc, self._stderr = taken
-        else:
-            self._stderr.seek(0)
-            self._stderr.truncate()
+        """Start the process, forked from its kind's fork server where it can be, and wait for its hello; the reason
+        on failure. A forked worker that does not start is started again as a process of its own, and its server
+        forks no more: forking only saves the imports, it never decides a row."""
+        server = fork_server.server_for(self.family, self.device, self.environment)
+        started = time.perf_counter()
+        reason = self._start_one(server)
+        if reason is not None and server is not None and server.broken is None:
+            server.give_up(f"a worker it forked did not start: {reason}")
+            reason = self._start_one(None)
+        self.startup_seconds += time.perf_counter() - started
+        return reason
+
+    def _start_one(self, server: fork_server.ForkServer | None) -> str | None:
+        self._stderr.seek(0)
+        self._stderr.truncate()
+        self._proc = server.fork(self._stderr) if server is not None else None
+        if self._proc is None:
             self._proc = _launch(self.family, self.device, self.environment, self._stderr)
         self.starts += 1
         self._replies = queue.Queue()
         threading.Thread(target=self._read, args=(self._proc, self._replies), daemon=True).start()
-        started = time.perf_counter()
-        message = self._wait(time.monotonic() + max(STARTUP_TIMEOUT_S, self.timeout_s))
-        self.startup_seconds += time.perf_counter() - started
+        limit = FORKED_STARTUP_TIMEOUT_S if isinstance(self._proc, fork_server.ForkedProcess) else max(
+            STARTUP_TIMEOUT_S, self.timeout_s)
+        message = self._wait(time.monotonic() + limit)
+        if message is not None and message.get("timeout"):
+            self.close(graceful=False)
+            return f"worker {self.family} did not start within {limit:g} s"
         if message is None or "hello" not in message:
             reason = self._death_reason("while starting")
             self.close()

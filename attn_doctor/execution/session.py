@@ -199,7 +199,8 @@ class Session:
         for family in self.workers.values():
             for worker in family:
                 if WANTED_BUILD not in worker.environment and SITE_VARIABLE not in worker.environment:
-                    found.update({k: v for k, v in (worker.hello or {}).items() if k not in ("family", "pid")})
+                    found.update({k: v for k, v in (worker.hello or {}).items()
+                                  if k not in ("family", "pid", "forked")})
         return found
 
     @property

@@ -26,7 +26,9 @@ import sys
 import traceback
 
 
-def _protocol_stream():
+def protocol_stream():
+    """The protocol's own copy of stdout; fd 1 and sys.stdout pointed at stderr, so that nothing a library prints
+    reaches the protocol."""
     stream = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -35,24 +37,41 @@ def _protocol_stream():
 
 def main(argv: list[str]) -> int:
     family, device_name = argv[0], argv[1]
-    out = _protocol_stream()
+    out = protocol_stream()
+    return serve(family, device_name, prepare(family), out)
+
+
+def prepare(family: str) -> dict:
+    """Everything a worker does before it serves, none of it on the device: its library loaded first
+    (`prepare_process`: TE before anything touches torch's cuDNN), the modules serving needs imported; the hello's
+    facts (what the library loaded). A fork server runs this once for every worker it forks (`fork_server`)."""
     import faulthandler
     import signal
 
     # SIGUSR1 prints every thread's stack to this worker's stderr (where a probe that stopped advancing waits).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-    def reply(message: dict) -> None:
-        out.write(json.dumps(message) + "\n")
-        out.flush()
-
     from attn_doctor.machine.cudnn_builds import torch_preloads_wanted_build
 
     with torch_preloads_wanted_build():  # a cuDNN build asked for: torch preloads it, not pip's
         import torch  # noqa: F401 - first here, under the context
     from attn_doctor.backends import prepare_process
 
-    hello: dict = {"family": family, "pid": os.getpid(), **prepare_process(family)}
+    hello = {"family": family, **prepare_process(family)}
+    import attn_doctor.backends  # noqa: F401 - what serving imports, imported once where workers are forked
+    import attn_doctor.core.errors  # noqa: F401
+    import attn_doctor.execution.shared_reference  # noqa: F401
+    import attn_doctor.probes  # noqa: F401
+    import attn_doctor.tracing.replay_source  # noqa: F401
+
+    return hello
+
+
+def serve(family: str, device_name: str, hello: dict, out) -> int:
+    """Answer {"hello": ...} once the device answers, then serve requests from stdin until "quit" or its end."""
+
+    def reply(message: dict) -> None:
+        out.write(json.dumps(message) + "\n")
+        out.flush()
 
     import torch
 
@@ -71,11 +90,15 @@ def main(argv: list[str]) -> int:
     from attn_doctor.tracing.replay_source import source_of
 
     device = torch.device(device_name)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # TE builds its modules and workspaces on the current device
+    if device.type == "cuda":
+        if device.index is not None:
+            torch.cuda.set_device(device)  # TE builds its modules and workspaces on the current device
+        # The context made, and a kernel run, before the hello: a worker whose device does not answer (a fork
+        # CUDA refuses) fails its start, not its first probe.
+        torch.ones(1, device=device).add_(1).item()
     caches = Caches(device, source_of)
     backends: dict[str, object] = {}
-    reply({"hello": hello})
+    reply({"hello": {**hello, "pid": os.getpid()}})
 
     for line in sys.stdin:
         request = json.loads(line)

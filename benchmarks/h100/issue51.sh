@@ -3,7 +3,10 @@
 # to back). From the project root on the GPU machine, after benchmarks/h100/stage-lease.sh's staging calls:
 #   bash benchmarks/h100/issue51.sh PHASE DEST     (DEST: $OUT; gets PHASE.tgz)
 # cold-new   env, then te-coverage from a cold start on this tree (the first sweep this machine runs)
-# speed      te-coverage cold: the commit before (.device-base, carried) and this tree, then this tree profiled
+# forkcheck  two workers of each of TE's and SDPA's kinds started as a sweep starts them: forked from a fork server
+#            (their hellos say so, with the server's threads) or launched, and how long each start took
+# speed      te-coverage cold: the commit before (.device-base, carried) and this tree (PROFILE=1: then this tree
+#            profiled)
 # tests      te-tests cold on this tree (BASE=1: on .device-base), every path (te.flash: no FlashAttention yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
 # cost       where a TE probe's time goes: benchmarks/te_probe_cost.py (1 process cold, 7 at once cold, 7 warm), then a sixth of
@@ -28,16 +31,39 @@ case "$phase" in
     monitor=$!
     LIMIT=${LIMIT:-170} "${cold[@]}" coverage-new-cold "$root" --recipe te-coverage "${workers[@]}"
     kill "$monitor" 2>/dev/null ;;
+  forkcheck)
+    PYTHONPATH=$root python3 - > "$out/forkcheck.txt" 2>&1 <<'PY'
+import json, time
+from attn_doctor.execution.pool import Worker
+for family in ("te", "sdpa"):
+    pair = [Worker(family, "cuda", 120.0) for _ in range(2)]
+    for worker in pair:
+        started = time.perf_counter()
+        why = worker.ensure_started()
+        print(json.dumps({"family": family, "start_s": round(time.perf_counter() - started, 3), "failed": why,
+                          "hello": worker.hello}, default=str))
+    for worker in pair:
+        worker.close()
+PY
+    cat "$out/forkcheck.txt" ;;
   speed)
-    "${cold[@]}" coverage-base "$root/.device-base" --recipe te-coverage "${workers[@]}"
-    "${cold[@]}" coverage-new "$root" --recipe te-coverage "${workers[@]}"
-    PROFILE=1 "${cold[@]}" coverage-new-profiled "$root" --recipe te-coverage "${workers[@]}" ;;
-  tests)
-    DUMP_AT="${DUMP_AT:-240 420}" bash "$root/benchmarks/h100/monitor.sh" "$out" 10 &
+    DUMP_AT="${DUMP_AT:-}" bash "$root/benchmarks/h100/monitor.sh" "$out/monitor-base" 5 &
     monitor=$!
+    "${cold[@]}" coverage-base "$root/.device-base" --recipe te-coverage "${workers[@]}"
+    kill "$monitor" 2>/dev/null
+    DUMP_AT="${DUMP_AT:-}" bash "$root/benchmarks/h100/monitor.sh" "$out/monitor-new" 5 &
+    monitor=$!
+    "${cold[@]}" coverage-new "$root" --recipe te-coverage "${workers[@]}"
+    kill "$monitor" 2>/dev/null
+    if [ "${PROFILE:-0}" = 1 ]; then
+        PROFILE=1 "${cold[@]}" coverage-new-profiled "$root" --recipe te-coverage "${workers[@]}"
+    fi ;;
+  tests)
     # BASE=1: the commit before (.device-base, carried), for a paired run in the same lease
     tree=$root label=te-tests
     [ "${BASE:-0}" = 1 ] && tree=$root/.device-base label=te-tests-base
+    DUMP_AT="${DUMP_AT:-240 420}" bash "$root/benchmarks/h100/monitor.sh" "$out/monitor-$label" 10 &
+    monitor=$!
     LIMIT=${LIMIT:-500} "${cold[@]}" "$label" "$tree" --recipe te-tests "${workers[@]}"
     kill "$monitor" 2>/dev/null ;;
   fa4)

@@ -10,7 +10,8 @@ while :; do
   now=$(( $(date +%s) - start ))
   {
     echo "== $(date +%T) (+${now}s)"
-    ps -eo pid,ppid,etimes,stat,wchan:24,pcpu,rss,args --sort=pid | grep -E "attn_doctor|PID" | grep -v grep | cut -c1-200
+    # a forked worker shows its fork server's command line; its name (comm) says "worker FAMILY"
+    ps -eo pid,ppid,etimes,stat,wchan:24,pcpu,rss,comm,args --sort=pid | grep -E "attn_doctor|PID" | grep -v grep | cut -c1-200
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1
   } >> "$dir/monitor.log"
@@ -18,7 +19,8 @@ while :; do
     if [ "$now" -ge "$t" ] && [ ! -e "$dir/.dumped-$t" ]; then
       touch "$dir/.dumped-$t"
       # workers older than 20 s only: a newer one may not have its SIGUSR1 handler yet (the signal would end it)
-      for pid in $(ps -eo pid,etimes,args | awk '/attn_doctor.execution.worker/ && !/awk/ && $2 > 20 {print $1}'); do
+      # (fork servers too: they registered it after their imports, which take less than that)
+      for pid in $(ps -eo pid,etimes,args | awk '/attn_doctor.execution.(worker|fork_server)/ && !/awk/ && $2 > 20 {print $1}'); do
         kill -USR1 "$pid" 2>/dev/null; sleep 1
         tail -c 20000 "/proc/$pid/fd/2" > "$dir/stacks-$t-$pid.txt" 2>/dev/null
       done
