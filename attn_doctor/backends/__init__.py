@@ -189,7 +189,9 @@ def own_layout(spec: BackendSpec) -> str | None:
 
 def probe_seconds(spec: BackendSpec) -> float:
     """About how long one probe of the spec takes its worker on a GPU (`Backend.probe_seconds`)."""
-    return backend_class(spec).probe_seconds
+    from attn_doctor.backends.base import DEFAULT_PROBE_SECONDS
+
+    return backend_class(spec).probe_seconds.get(spec.name, DEFAULT_PROBE_SECONDS)
 
 
 def is_layer_path(spec: BackendSpec) -> bool:

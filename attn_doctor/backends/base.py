@@ -16,7 +16,8 @@ In the parent process (class methods; no worker is started, nothing heavy is imp
                        the format it runs a case in (`format_for`)
   `match_context()`    how a spec runs beyond the machine's defaults, for those rules (TE's deterministic path:
                        {"deterministic": True})
-  `probe_seconds`      about how long one probe takes its worker on a GPU: the cores a sweep gives the family
+  `probe_seconds`      per path, about how long one probe takes its worker on a GPU (a path not listed:
+                       `DEFAULT_PROBE_SECONDS`): the cores a sweep gives each family
   `flash_style()`      whether the spec's backward takes the softmax backward's D = rowsum(dO * O) from the
                        output it returned, rounded (FlashAttention's way): its dQ and dK are then judged with what
                        that rounding makes (`attn_doctor.numerics.rounded_output`); False by default
@@ -113,6 +114,9 @@ class ParallelGroups:
     cp_comm_type: str | None
 
 
+DEFAULT_PROBE_SECONDS = 0.1  # a probe of a path whose family does not say (`Backend.probe_seconds`)
+
+
 class Backend(ABC):
     """An attention forward whose backward comes from autograd. See the module docstring for the hooks."""
 
@@ -132,9 +136,9 @@ class Backend(ABC):
     opt_in: ClassVar[bool] = False
     # The options a spec of this family cannot be rebuilt without (text each): a results row read back must have them.
     required_options: ClassVar[tuple[str, ...]] = ()
-    # About how many seconds of its worker's time one probe takes on a GPU, mostly its library's first calls
-    # (building kernels): a sweep's cores are shared among the families in proportion (`execution.concurrency`).
-    probe_seconds: ClassVar[float] = 0.1
+    # Per path name, about how many seconds of its worker's time one probe takes on a GPU, mostly its library's first
+    # calls (building kernels): a sweep's cores are shared among the families in proportion (`execution.concurrency`).
+    probe_seconds: ClassVar[dict[str, float]] = {}
 
     # -- in the parent ----------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from attn_doctor.core.layouts import canonical_layouts
                    "one task of a SLURM array or CI matrix; `attn-doctor report DIR1 DIR2 ...` merges them.")
 @click.option("--workers", type=WORKERS, default=None,
               help="Worker processes per backend family, each taking whole points  [default: on a GPU the "
-                   "CPU's cores shared among the families by their probes, at least 2 each; 1 on the CPU; not with "
+                   "CPU's cores shared among the families by their work, at least 2 each; 1 on the CPU; not with "
                    "--layers: a depth sweep runs one worker at a time]")
 @repeats_option
 @click.pass_obj

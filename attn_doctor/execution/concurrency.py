@@ -4,12 +4,14 @@ On a GPU a sweep's probes are mostly first calls, and a first call's time is mos
 builds each configuration's kernel on its first call: about 1.1 s of host CPU for a new one on the H100 with TE
 2.20.2, where the same call again takes 2.4 ms; reports/h100/issue51/lease4/cost), spent in the one process that
 makes it. So a sweep goes as fast as the processes it runs at once, up to the machine's cores, and the card's memory
-is what limits them (`memory_plan.plan_memory` runs fewer where they do not fit). The cores are shared among the
-families in proportion to their work: their probes, each weighed by what a probe of its family takes
-(`Backend.probe_seconds`: a TE probe about 2.3 times an SDPA one, measured). Counted by probes alone, te-coverage's 7
-TE workers were the critical path while its 6 SDPA workers idled half the time (reports/h100/issue51/lease3). Each
-family gets at least `FLOOR` workers where it has that many units, at most one per unit. On the CPU every process
-computes with all the cores it is given (`session.cpu_threads` shares them out), so one worker per family.
+is what limits them (`memory_plan.plan_memory` runs fewer where they do not fit, taking from the family with the
+most workers for its work first). The cores are shared among the families in proportion to their work: their
+probes, each weighed by what a probe of its path takes (`Backend.probe_seconds`, measured: te.fused 0.33 s,
+sdpa.cudnn 0.15 s, sdpa.flash 0.02 s). Counted by probes alone, te-coverage's 7 TE workers were the critical path
+while its 6 SDPA workers idled half the time (reports/h100/issue51/lease3); weighed by family (every TE probe as
+much as a te.fused one), te-tests gave SDPA 2 workers to TE's 12 and waited for them (lease5). Each family gets at least `FLOOR` workers where it has that
+many units, at most one per unit. On the CPU every process computes with all the cores it is given
+(`session.cpu_threads` shares them out), so one worker per family.
 """
 
 from __future__ import annotations

@@ -246,7 +246,8 @@ def _become_worker(control: socket.socket, fds: list[int], family: str, device: 
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 is now the pipe from attn-doctor
         from attn_doctor.execution import worker
 
-        code = worker.serve(family, device, hello, worker.protocol_stream())
+        out = worker.protocol_stream()
+        code = worker.profiled(family, lambda: worker.serve(family, device, hello, out))
     except BaseException:  # noqa: BLE001 - whatever happened is on the worker's stderr, where the pool reads it
         import traceback
 

@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import traceback
+from typing import Callable
 
 
 def protocol_stream():
@@ -201,26 +202,27 @@ def free_memory(device) -> None:
 
 
 # A folder to write each worker's cProfile into (worker-FAMILY-PID.prof): where a worker's time goes, imports
-# included, for the benchmarks (benchmarks/h100/cold-sweep.sh with PROFILE=1); unset, nothing is profiled.
+# included (a forked worker's imports are its fork server's: not in its profile), for the benchmarks
+# (benchmarks/h100/cold-sweep.sh with PROFILE=1); unset, nothing is profiled.
 PROFILE_DIR = "ATTN_DOCTOR_PROFILE_DIR"
 
 
-def profiled_main(argv: list[str]) -> int:
-    """`main`, under cProfile when PROFILE_DIR is set (the profile written however the worker ends)."""
+def profiled(family: str, run: Callable[[], int]) -> int:
+    """`run()`, under cProfile when PROFILE_DIR is set (the profile written however the worker ends)."""
     folder = os.environ.get(PROFILE_DIR)
     if not folder:
-        return main(argv)
+        return run()
     import cProfile
 
     profiler = cProfile.Profile()
     profiler.enable()
     try:
-        return main(argv)
+        return run()
     finally:
         profiler.disable()
         os.makedirs(folder, exist_ok=True)
-        profiler.dump_stats(os.path.join(folder, f"worker-{argv[0]}-{os.getpid()}.prof"))
+        profiler.dump_stats(os.path.join(folder, f"worker-{family}-{os.getpid()}.prof"))
 
 
 if __name__ == "__main__":
-    sys.exit(profiled_main(sys.argv[1:]))
+    sys.exit(profiled(sys.argv[1], lambda: main(sys.argv[1:])))
