@@ -131,27 +131,6 @@ def test_where_not_all_fit_the_family_with_the_most_workers_for_its_work_gives_o
     assert cut_once({"sdpa": 2, "local": 6}) == {"sdpa": 2, "local": 5}
 
 
-def test_references_are_kept_ahead_where_half_the_room_left_holds_them_up_to_three_per_worker():
-    from attn_doctor.execution.memory_plan import LOOKAHEAD
-
-    cases = [make_case(seq=2048, seed=seed) for seed in range(40)]
-    coords = [c for c in _sweep_coords(cases) if c.backend.name in ("sdpa.math", "local")]
-    asked = {"sdpa": 2, "local": 2}
-    tight = plan_memory(coords, "cuda", None, workers_per_family=asked)
-    assert tight.live_references == 4  # without a budget: one per worker
-    one = tight.parts["the float64 references the parent keeps"] // 4
-    roomy = plan_memory(coords, "cuda", _gpu(500), workers_per_family=asked)
-    assert roomy.live_references == LOOKAHEAD * 4 and roomy.workers == asked
-    assert roomy.parts["the float64 references the parent keeps"] == LOOKAHEAD * 4 * one
-    assert roomy.estimate == tight.estimate + (LOOKAHEAD - 1) * 4 * one
-    # room for 3 more within half of what is left: 3 more, not the 8 of the roomy budget
-    some = MemoryBudget(tight.estimate + 7 * one, "cuda:0", "a budget", 80 * GIB)
-    plan = plan_memory(coords, "cuda", some, workers_per_family=asked)
-    assert plan.live_references == 4 + 3 and plan.workers == asked and plan.estimate <= some.bytes
-    exact = MemoryBudget(tight.estimate, "cuda:0", "a budget", 80 * GIB)  # no room left: one per worker
-    assert plan_memory(coords, "cuda", exact, workers_per_family=asked).live_references == 4
-
-
 def test_fewer_workers_run_where_all_would_not_fit_then_families_take_turns_then_it_is_refused():
     cases = [make_case(seq=seq) for seq in (2048, 3072, 4096, 5120)]
     coords = _sweep_coords(cases)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from attn_doctor.backends.base import Backend, BackendSpec, ParallelGroups, PathMemory, ShortCall, Unsupported
+from attn_doctor.backends.base import (
+    DEFAULT_PROBE_SECONDS,
+    Backend,
+    BackendSpec,
+    ParallelGroups,
+    PathMemory,
+    ShortCall,
+    Unsupported,
+)
 from attn_doctor.backends.kernel import UserKernel, parse_kernel_spec
 from attn_doctor.backends.local import LocalAttention
 from attn_doctor.backends.sdpa import SdpaKernel
@@ -189,8 +197,6 @@ def own_layout(spec: BackendSpec) -> str | None:
 
 def probe_seconds(spec: BackendSpec) -> float:
     """About how long one probe of the spec takes its worker on a GPU (`Backend.probe_seconds`)."""
-    from attn_doctor.backends.base import DEFAULT_PROBE_SECONDS
-
     return backend_class(spec).probe_seconds.get(spec.name, DEFAULT_PROBE_SECONDS)
 
 
@@ -228,6 +234,7 @@ def prepare_process(family: str) -> dict:
 
 __all__ = ["Backend", "BackendSpec", "ParallelGroups", "PathMemory", "ShortCall", "Unsupported", "BASELINE", "REGISTRY",
            "backend_class", "builtin_specs", "path_names", "select", "build", "static_skip", "memory", "selector",
-           "repro_source", "short_call", "match_format", "probe_seconds", "match_context", "flash_style", "prepare_process", "process_of",
+           "repro_source", "short_call", "match_format", "probe_seconds", "match_context", "flash_style",
+           "prepare_process", "process_of",
            "with_cudnn", "on_build", "with_te", "on_release", "without_build", "CUDNN_MARK", "TE_MARK", "own_layout",
            "is_layer_path", "is_te_family"]

@@ -17,7 +17,8 @@ Whose child a worker is: it is forked twice (server, then a short-lived intermed
 is re-parented to the nearest child subreaper above it, attn-doctor's own process (`_become_subreaper`, Linux's
 PR_SET_CHILD_SUBREAPER). attn-doctor then waits for a forked worker as for any child it started (`ForkedProcess`):
 its exit code or signal exact, in its own session so that a kill reaches whatever it started, and remembered for
-Ctrl-C (`core.processes`).
+Ctrl-C (`core.processes`). What a worker leaves behind when it ends (torch's shared-memory manager) becomes
+attn-doctor's child too, and Ctrl-C kills it with the rest (`processes.kill_other_children`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import IO, Any
+from typing import IO
 
 from attn_doctor.core import processes
 
@@ -89,8 +91,6 @@ class ForkServer:
 
     def __init__(self, family: str, device: str, environment: dict[str, str]):
         parent_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        import tempfile
-
         self.log = tempfile.TemporaryFile(mode="w+b")  # what its imports printed: the reason when it fails
         self.proc = processes.start(
             [sys.executable, "-m", "attn_doctor.execution.fork_server", family, device, str(server_end.fileno())],
@@ -298,6 +298,7 @@ MAX_SERVERS = 6  # servers kept at once, the least recently used ended first (ea
 _servers: dict[tuple, ForkServer] = {}
 _refused: dict[tuple, str] = {}  # kinds whose server could not fork, or forked a worker that did not start: why
 _servers_lock = threading.Lock()
+_at_exit: list[bool] = []  # close_all registered to run at exit
 
 
 def server_for(family: str, device: str, environment: dict[str, str]) -> ForkServer | None:
@@ -316,10 +317,11 @@ def server_for(family: str, device: str, environment: dict[str, str]) -> ForkSer
         if key in _refused:
             return None
         if server is None:
-            if not _servers:
+            if not _at_exit:
                 import atexit
 
                 atexit.register(close_all)
+                _at_exit.append(True)
             server = ForkServer(family, device, environment)
         _servers[key] = server  # the most recently used last
         ended = [_servers.pop(old) for old in list(_servers)[:-MAX_SERVERS]]

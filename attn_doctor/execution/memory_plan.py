@@ -5,8 +5,8 @@ The plan (`plan_memory`) counts every process attn-doctor starts:
 - each process's fixed part, outside torch's caching allocator: a CUDA context with its libraries' modules and
   handles (`PROCESS_BYTES`, per family: TE's is larger), or on the CPU the interpreter with torch loaded;
 - the parent: the float64 references it keeps while jobs use them, at most `live_references` at once (a family
-  that runs ahead waits for the others: `attn_doctor.execution.shared_reference`): one per worker, and where the
-  budget has room, up to `LOOKAHEAD` per worker (`_look_ahead`); and the scratch of computing one (one at a time);
+  that runs ahead waits for the others: `attn_doctor.execution.shared_reference`), and the scratch of computing
+  one (one at a time);
 - each worker: the largest unit it runs (`probe_need`: a case's inputs, the layout's buffers, outputs, gradients,
   the comparison's chunks, the tensors kept to spot bitwise repeats, the path's own working memory
   `Backend.memory`; for a depth stack its weights, every layer's input and one layer's forward and backward,
@@ -54,7 +54,6 @@ PROCESS_BYTES = {
 IDLE_BYTES = 512 * MIB
 # The tensors a worker keeps per case to spot a bitwise repeat of a compared tensor (`probes.caches.Measured`).
 MEASURED_LIMIT = {"cuda": 1 << 28, "cpu": 1 << 30}
-LOOKAHEAD = 3  # references kept at most per worker running, where the budget has room for them (`_look_ahead`)
 _KEPT = "the float64 references the parent keeps"  # its part of the estimate
 
 
@@ -273,26 +272,6 @@ def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -
     return total, dict(sorted(parts.items(), key=lambda item: -item[1])), live
 
 
-def _look_ahead(demand: _Demand, workers: dict[str, int], total: int, parts: dict[str, int], live: int,
-                budget: MemoryBudget) -> tuple[int, dict[str, int], int]:
-    """(peak, parts, live references) with more references kept than workers where half of what the budget has
-    left holds them (the other half stays the processes' headroom), up to LOOKAHEAD per worker, counted as the
-    largest. Why: the families wait for one another through the references they share, so with one kept per worker
-    a family whose workers start later (TE's import) held the others back from the start: te-coverage's SDPA and
-    local workers sat idle until TE's had started (reports/h100/issue51/lease5)."""
-    sizes = sorted((kept for kept, _ in demand.references), reverse=True)
-    room = (budget.bytes - total) // 2
-    most = min(len(sizes), LOOKAHEAD * max(1, sum(workers.values())))
-    added = 0
-    while live < most and sizes[live] <= room - added:
-        added += sizes[live]
-        live += 1
-    if added:
-        parts = {**parts, _KEPT: parts.get(_KEPT, 0) + added}
-        parts = dict(sorted(parts.items(), key=lambda item: -item[1]))
-    return total + added, parts, live
-
-
 def _asked(demand: _Demand, device: str, workers_per_family: int | dict[str, int] | None) -> dict[str, int]:
     """Workers per process key asked for, at most one per unit."""
     if workers_per_family is None:
@@ -318,8 +297,7 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
     fewer = ""
     if budget is not None and not serial:
         # The family with the most workers for its work gives one up first, so that the families keep pace (they
-        # wait for one another through the references they share: te-tests' SDPA cut to 1 worker beside TE's 6 was
-        # its slowest family, lease5); of equals, the one whose worker costs more.
+        # wait for one another through the references they share); of equals, the one whose worker costs more.
         while total > budget.bytes and any(count > 1 for count in workers.values()):
             key = max((k for k, c in workers.items() if c > 1),
                       key=lambda k: (workers[k] / max(demand.work.get(k, 0.0), 1e-9),
@@ -329,8 +307,6 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
         if total > budget.bytes:
             serial = True
             total, parts, live = _peak(demand, device, workers, serial)
-        if not serial:
-            total, parts, live = _look_ahead(demand, workers, total, parts, live, budget)
         cut = [f"{key} {workers[key]} of {asked[key]}" for key in asked if workers[key] < asked[key]]
         said = ([f"workers at once: {', '.join(cut)}"] if cut else []) + (["families take turns"] if serial else [])
         if said:

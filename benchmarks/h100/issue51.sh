@@ -7,6 +7,9 @@
 #            (their hellos say so, with the server's threads) or launched, and how long each start took
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree (PROFILE=1: then this tree
 #            profiled)
+# diskcheck  the first thing on a fresh machine: how long reading the libraries a TE worker loads takes, cold, then
+#            again after dropping the page cache (a machine's first sweeps spend half again as long in kernel calls:
+#            reports/h100/issue51/lease5; is it a disk that drop_caches cannot make cold again?)
 # tests      te-tests cold on this tree (BASE=1: on .device-base), every path (te.flash: no FlashAttention yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
 # cost       where a TE probe's time goes: benchmarks/te_probe_cost.py (1 process cold, 7 at once cold, 7 warm), then a sixth of
@@ -46,6 +49,31 @@ for family in ("te", "sdpa"):
         worker.close()
 PY
     cat "$out/forkcheck.txt" ;;
+  diskcheck)
+    python3 - > "$out/libraries.txt" <<'PY'
+import glob, site
+found = set()
+for root in site.getsitepackages():
+    for pattern in ("torch/lib/*.so*", "nvidia/*/lib/*.so*", "transformer_engine*/**/*.so*"):
+        found.update(glob.glob(f"{root}/{pattern}", recursive=True))
+found.update(glob.glob("/usr/lib/x86_64-linux-gnu/libcudnn*.so.9*"))
+print("\n".join(sorted(found)))
+PY
+    for round in first again-after-drop_caches; do
+        if [ "$round" != first ]; then sync; echo 3 > /proc/sys/vm/drop_caches; fi
+        python3 - "$out/libraries.txt" "$round" >> "$out/diskcheck.txt" <<'PY'
+import os, sys, time
+paths = open(sys.argv[1]).read().split()
+start, total = time.perf_counter(), 0
+for path in paths:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            total += len(chunk)
+seconds = time.perf_counter() - start
+print(f"{sys.argv[2]}: {len(paths)} libraries, {total / 2**30:.2f} GiB in {seconds:.1f} s ({total / 2**20 / seconds:.0f} MiB/s)")
+PY
+    done
+    cat "$out/diskcheck.txt" ;;
   speed)
     DUMP_AT="${DUMP_AT:-}" bash "$root/benchmarks/h100/monitor.sh" "$out/monitor-base" 5 &
     monitor=$!
