@@ -22,6 +22,7 @@ sweep_dir="$out/$label-sweep"  # streamed here, so a run cut short still leaves 
 rm -rf "$sweep_dir"
 profile=()
 [ "${PROFILE:-0}" = 1 ] && profile=(env "ATTN_DOCTOR_PROFILE_DIR=$out/prof-$label")
+cpu_before=$(head -1 /proc/stat)  # the host's share: steal time (a hypervisor's other guests) over the sweep
 start=$(date +%s.%N)
 limit=()  # LIMIT=S: Ctrl-C (SIGINT) after S seconds; attn-doctor keeps the finished points and exits 130
 [ -n "${LIMIT:-}" ] && limit=(timeout -s INT --kill-after=10 "$LIMIT")
@@ -30,6 +31,14 @@ limit=()  # LIMIT=S: Ctrl-C (SIGINT) after S seconds; attn-doctor keeps the fini
     --out "$sweep_dir" "$@" >> "$log" 2>&1)
 rc=$?
 end=$(date +%s.%N)
+python3 - "$cpu_before" "$(head -1 /proc/stat)" >> "$log" <<'PY'
+import sys
+names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+before, after = ([int(x) for x in line.split()[1:9]] for line in sys.argv[1:3])
+delta = dict(zip(names, (b - a for a, b in zip(before, after))))
+total = sum(delta.values()) or 1
+print("cpu over the sweep: " + ", ".join(f"{name} {100 * delta[name] / total:.1f} %" for name in names))
+PY
 cases=$(python3 -c "import json; print(int(json.load(open('$sweep_dir/results.json'))['seconds']['points']))" 2>/dev/null || echo 0)
 python3 - "$label" "$rc" "$start" "$end" "$cases" <<'PY' | tee -a "$out/times.txt"
 import sys

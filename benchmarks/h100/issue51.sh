@@ -7,9 +7,10 @@
 #            (their hellos say so, with the server's threads) or launched, and how long each start took
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree (PROFILE=1: then this tree
 #            profiled)
-# diskcheck  the first thing on a fresh machine: how long reading the libraries a TE worker loads takes, cold, then
-#            again after dropping the page cache (a machine's first sweeps spend half again as long in kernel calls:
-#            reports/h100/issue51/lease5; is it a disk that drop_caches cannot make cold again?)
+# diskcheck  the first thing on a fresh machine (a machine's first sweeps were slower in every call, small ones too:
+#            reports/h100/issue51/lease5): the host's CPU (a fixed Python workload on 1 and on 16 processes, and
+#            steal time), then reading the libraries a TE worker loads, cold and again after drop_caches; run it again
+#            after the sweeps to compare
 # tests      te-tests cold on this tree (BASE=1: on .device-base), every path (te.flash: no FlashAttention yet), monitored
 # fa4        te-tests' FlashAttention 4 families on te.flash (and the baseline)
 # cost       where a TE probe's time goes: benchmarks/te_probe_cost.py (1 process cold, 7 at once cold, 7 warm), then a sixth of
@@ -50,6 +51,27 @@ for family in ("te", "sdpa"):
 PY
     cat "$out/forkcheck.txt" ;;
   diskcheck)
+    python3 - >> "$out/diskcheck.txt" <<'PY'
+import multiprocessing, time
+
+def work(_):
+    start = time.perf_counter()
+    total = 0
+    for i in range(15_000_000):
+        total += i * i % 7
+    return time.perf_counter() - start
+
+with open("/proc/stat") as f:
+    before = [int(x) for x in f.readline().split()[1:9]]
+one = work(0)
+with multiprocessing.Pool(16) as pool:
+    sixteen = pool.map(work, range(16))
+with open("/proc/stat") as f:
+    after = [int(x) for x in f.readline().split()[1:9]]
+delta = [b - a for a, b in zip(before, after)]
+print(f"{time.strftime('%T')} cpu: one process {one:.2f} s; 16 at once {min(sixteen):.2f}-{max(sixteen):.2f} s; "
+      f"steal {100 * delta[7] / (sum(delta) or 1):.1f} % meanwhile")
+PY
     python3 - > "$out/libraries.txt" <<'PY'
 import glob, site
 found = set()
