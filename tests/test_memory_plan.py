@@ -116,7 +116,7 @@ def test_every_process_is_counted_the_parent_each_worker_and_their_contexts():
 
 def test_where_not_all_fit_the_family_with_the_most_workers_for_its_work_gives_one_up_first():
     """The families wait for one another through the references they share, so a cut keeps their workers in step
-    with their work: te-tests' phase 2 cut SDPA to 1 worker beside TE's 6 by counting workers alone (lease5)."""
+    with their work (counting workers alone, the family with the most gave one up whatever its work)."""
     cases = [make_case(seq=seq, seed=seed) for seq in (2048, 4096) for seed in range(6)]
     coords = [c for c in _sweep_coords(cases) if c.backend.name in ("sdpa.math", "local")]
 
@@ -492,7 +492,7 @@ def test_on_a_gpu_the_cores_are_shared_among_the_families_by_their_work_and_on_t
     assert default_workers(work, units, "cpu", cores=64) == {"te": 1, "sdpa": 1, "local": 1}
 
 
-def test_a_familys_work_is_its_probes_weighed_by_what_a_probe_of_it_takes():
+def test_a_familys_work_is_its_probes_each_weighed_by_what_a_probe_of_its_path_takes():
     from attn_doctor.execution.memory_plan import _demand
 
     case = make_case(seq=256)
