@@ -6,12 +6,12 @@ builds each configuration's kernel on its first call: about 1.1 s of host CPU fo
 makes it. So a sweep goes as fast as the processes it runs at once, up to the machine's cores, and the card's memory
 is what limits them (`memory_plan.plan_memory` runs fewer where they do not fit, taking from the family with the
 most workers for its work first). The cores are shared among the families in proportion to their work: their
-probes, each weighed by what a probe of its path takes (`Backend.probe_seconds`, measured: te.fused 0.33 s,
-sdpa.cudnn 0.15 s, sdpa.flash 0.02 s). Counted by probes alone, te-coverage's 7 TE workers were the critical path
-while its 6 SDPA workers idled half the time (reports/h100/issue51/lease3). A probe that turns out a SKIP in its
-worker still weighs its path's seconds (te.flash without FlashAttention; TE's FP8 current scaling below sm_100),
-so te-tests gives TE 11 workers to SDPA's 2, where its measured work would give 10 to 3 (lease5). Each family
-gets at least `FLOOR` workers where it has that many units, at most one per unit. On the CPU every process
+probes, each weighed by what a probe of its path takes (`Backend.probe_seconds`, measured per probe the plan counts:
+te.fused 0.37 s, sdpa.cudnn 0.25 s, sdpa.flash 0.035 s). Counted by probes alone, te-coverage's 7 TE workers were
+the critical path while its 6 SDPA workers idled half the time (reports/h100/issue51/lease3); weighed by seconds
+averaged over every row, static SKIPs too, te-tests gave TE 11 workers to SDPA's 2 and waited for SDPA (lease5;
+now 10 to 3, as that run's measured work gives, not yet measured). Each family gets at least `FLOOR` workers
+where it has that many units, at most one per unit. On the CPU every process
 computes with all the cores it is given (`session.cpu_threads` shares them out), so one worker per family.
 """
 
