@@ -258,13 +258,18 @@ def _become_worker(control: socket.socket, fds: list[int], family: str, device: 
         os._exit(code)
 
 
+def _prctl(option: int, value: int | bytes) -> bool:
+    """Linux's prctl(option, value); False where it fails or there is none (not Linux)."""
+    try:
+        return ctypes.CDLL(None).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def _name_process(name: str) -> None:
     """The name `ps -o comm` and /proc/PID/comm show (15 bytes at most): a forked worker's command line is its
     server's, so this is how one tells them apart (`worker te`)."""
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 # -- in attn-doctor's process --
@@ -286,11 +291,7 @@ def _become_subreaper() -> bool:
     """Mark this process the child subreaper of its descendants (once), so that a forked worker is its child;
     False where the system does not allow it (not Linux), and then no worker is forked."""
     if _subreaper[0] is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            _subreaper[0] = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            _subreaper[0] = False
+        _subreaper[0] = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     return bool(_subreaper[0])
 
 

@@ -300,7 +300,7 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
         # wait for one another through the references they share); of equals, the one whose worker costs more.
         while total > budget.bytes and any(count > 1 for count in workers.values()):
             key = max((k for k, c in workers.items() if c > 1),
-                      key=lambda k: (workers[k] / max(demand.work.get(k, 0.0), 1e-9),
+                      key=lambda k: (workers[k] / max(demand.work[k], 1e-9),
                                      process_bytes(demand.families[k], device) + demand.needs[k]))
             workers[key] -= 1
             total, parts, live = _peak(demand, device, workers, serial)
