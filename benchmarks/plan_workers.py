@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         work = _demand([c for group in groups for c in group], "cuda", 1).work
         print(f"{recipe}: work {', '.join(f'{key} {seconds:.0f} s' for key, seconds in sorted(work.items()))}")
         for chosen, plan in plan_phases(groups, "cuda", budget, None):
-            print(f"  {len(chosen)} points: {', '.join(f'{k} {n}' for k, n in sorted(plan.workers.items()))}")
+            print(f"  {len(chosen)} points: {', '.join(f'{k} {n}' for k, n in sorted(plan.workers.items()))}; "
+                  f"{plan.live_references} references kept at once, estimate {plan.estimate / GIB:.1f} GiB")
     return 0
 
 

@@ -475,7 +475,7 @@ def test_the_weights_share_te_tests_first_phase_as_its_measured_work_does(capsys
     spec.loader.exec_module(planner)
     assert planner.main(["--recipe", "te-tests", "--cores", "16", "--budget-gib", "75.2"]) == 0
     first_phase = capsys.readouterr().out.splitlines()[1]
-    assert first_phase.endswith("points: local 2, sdpa 3, te 10"), first_phase
+    assert "points: local 2, sdpa 3, te 10;" in first_phase, first_phase
 
 
 def test_a_session_runs_what_its_plan_cannot_fit_and_lets_it_be_too_big(recorded):
@@ -579,3 +579,101 @@ def test_a_session_in_phases_closes_the_workers_the_later_plan_does_not_count_an
             if job["coords"]["backend"]["name"] == "sdpa.math" and
             make_case(**{k: v for k, v in job["coords"]["case"].items() if k in ("seq", "seed")}).key() in large}
     assert caps == {expected[-1][1].worker_caps["sdpa"]}  # the large points ran on their own phase's caps
+
+
+# --- the references kept at once: one per worker, more where the budget has room ----------------------------------
+
+def test_on_a_gpu_the_parent_keeps_more_references_where_half_of_what_the_plan_leaves_holds_them():
+    """The families do not start together (TE's import), and one reference per worker let the others run only that
+    many cases ahead; the window widens with room, never past half the spare (the allocators' slack)."""
+    cases = [make_case(seq=512, seed=seed) for seed in range(40)]
+    coords = [c for c in _sweep_coords(cases) if c.backend.name in ("sdpa.math", "local")]
+    one_each = plan_memory(coords, "cuda", None, workers_per_family=2)
+    assert one_each.live_references == 4  # no budget: one per worker
+    roomy = plan_memory(coords, "cuda", _gpu(70), workers_per_family=2)
+    assert roomy.live_references == 40  # every case's reference fits in half the spare
+    kept = roomy.parts["the float64 references the parent keeps"]
+    assert kept == 10 * one_each.parts["the float64 references the parent keeps"]  # 40 references of one size
+    assert roomy.estimate == one_each.estimate + kept - kept // 10 <= 70 * GIB
+    # a budget whose spare holds about five more references than the workers' four: half of it, two or three
+    tight = MemoryBudget(one_each.estimate + 5 * (kept // 40), "cuda:0", "a budget", 80 * GIB)
+    plan = plan_memory(coords, "cuda", tight, workers_per_family=2)
+    assert 4 < plan.live_references < 9
+    assert plan.estimate - one_each.estimate <= (tight.bytes - one_each.estimate) // 2
+    assert plan_memory(coords, "cpu", MemoryBudget(64 * GIB, "cpu", "RAM", 64 * GIB), 2).live_references == 4
+
+
+# --- workers that change family where one runs dry (execution/handover.py) ----------------------------------------
+
+def test_a_freed_worker_goes_to_the_forked_family_with_the_most_work_left_per_worker():
+    from attn_doctor.execution.handover import receiver
+
+    left, units, live = {"te": 60.0, "sdpa": 20.0, "local": 0.0}, {"te": 40, "sdpa": 30, "local": 0}, \
+        {"te": 10, "sdpa": 2, "local": 0}
+    forked = {"te", "sdpa", "local"}
+    assert receiver(left, units, live, forked, {}, None) == "sdpa"  # 20/3 s a worker against TE's 60/11
+    assert receiver(left, units, live, {"te", "local"}, {}, None) == "te"  # SDPA's would import SDPA anew
+    assert receiver(left, units, {**live, "sdpa": 30}, forked, {}, None) == "te"  # a worker per unit already
+    assert receiver({"local": 0.0}, {"local": 0}, {"local": 0}, forked, {}, None) is None
+
+
+def test_no_worker_changes_family_where_its_share_is_not_worth_a_start_or_its_memory_does_not_fit():
+    from attn_doctor.execution.handover import WORTH_S, receiver
+
+    units, live = {"te": 5}, {"te": 1}
+    assert receiver({"te": 2 * WORTH_S}, units, live, {"te"}, {}, None) == "te"  # a share of WORTH_S
+    assert receiver({"te": 2 * WORTH_S - 0.1}, units, live, {"te"}, {}, None) is None
+    assert receiver({"te": 2 * WORTH_S}, units, live, {"te"}, {"te": 10}, 10) == "te"
+    assert receiver({"te": 2 * WORTH_S}, units, live, {"te"}, {"te": 10}, 9) is None
+
+
+def test_a_closed_workers_memory_is_what_the_next_one_takes_and_an_unforked_family_keeps_its_workers():
+    from attn_doctor.execution.handover import Handover
+
+    handover = Handover(left_s={"te": 100.0, "sdpa": 0.0, "local": 0.0}, left_units={"te": 50, "sdpa": 0, "local": 0},
+                        live={"te": 2, "sdpa": 2, "local": 1}, footprint={"te": 3, "sdpa": 2, "local": 2},
+                        budgeted=True, forked={"te", "sdpa"})
+    assert handover.drained("local") == (False, None)  # not forked: kept, its memory still held
+    assert handover.drained("sdpa") == (True, None)  # 2 bytes given up: a TE worker holds 3
+    assert handover.drained("sdpa") == (True, "te")  # 4: one TE worker, 1 left
+    assert (handover.room, handover.live["te"], handover.moves) == (1, 3, [("sdpa", "te")])
+    handover.took("te", 30.0)
+    assert (handover.left_units["te"], handover.left_s["te"]) == (49, 70.0)
+
+
+class _ForkedWorker(_RecordingWorker):
+    """A recording worker that says it was forked, its family's answers taking `delay[family]` seconds each."""
+
+    delay: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hello = {"forked": {"server_pid": 1}}
+
+    def request(self, job, on_progress=None):
+        time.sleep(type(self).delay.get(self.family, 0.0))
+        return super().request(job, on_progress)
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_a_drained_familys_workers_go_on_as_workers_of_the_family_with_work_left(recorded, monkeypatch, forked):
+    from attn_doctor.execution import handover
+
+    monkeypatch.setattr(handover, "WORTH_S", 0.0)
+    monkeypatch.setattr(recorded, "Worker", _ForkedWorker if forked else _RecordingWorker)
+    _ForkedWorker.delay = {"sdpa": 0.02}
+    groups = [point.coords(select(["sdpa.math", "local"])) for point in
+              plan_points([make_case(seq=64, seed=seed) for seed in range(40)], [])]
+    with recorded.Session("cuda", budget=_gpu(70), workers_per_family=None) as session:
+        judged = session.run_groups(groups)
+        moves, pools = list(session.moves), {key: len(pool) for key, pool in session.workers.items()}
+        planned = dict(session.plan.workers)
+    assert all(len(rows) == len(group) for rows, group in zip(judged, groups))
+    jobs = [job["coords"]["backend"]["name"] for job in _RecordingWorker.jobs]
+    assert sorted(jobs) == sorted(c.backend.name for group in groups for c in group)  # each probe once
+    if forked:  # local (no delay) ran dry first: its workers went on as SDPA's, closed first
+        assert moves and set(moves) == {("local", "sdpa")}
+        assert pools["sdpa"] == planned["sdpa"] + len(moves)
+        assert _RecordingWorker.closed.count("local") >= len(moves)
+    else:
+        assert (moves, pools) == ([], planned)

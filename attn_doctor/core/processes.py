@@ -199,3 +199,17 @@ def check_timeout(timeout_s: object) -> None:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
         raise BadInput(f"--timeout takes a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a week), got "
                        f"{timeout_s!r}")
+
+
+def seconds_since_start() -> float | None:
+    """How long this process has run, from the kernel's record of its start (interpreter and imports included,
+    which a clock started in Python misses); None where that cannot be read (not Linux)."""
+    import time
+
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        # the fields after the command's name (which may hold spaces), counted from the state as field 3
+        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -6,7 +6,11 @@ The plan (`plan_memory`) counts every process attn-doctor starts:
   handles (`PROCESS_BYTES`, per family: TE's is larger), or on the CPU the interpreter with torch loaded;
 - the parent: the float64 references it keeps while jobs use them, at most `live_references` at once (a family
   that runs ahead waits for the others: `attn_doctor.execution.shared_reference`), and the scratch of computing
-  one (one at a time);
+  one (one at a time). As many as there are workers, and on a GPU more, as long as they take no more than half of
+  what the plan leaves of the budget (`_window`; the other half stays the allocators' slack): the families do not
+  start together (TE's worker waits seconds for TE's import while SDPA's and local's run), and one reference per
+  worker let those run only that many cases ahead, then wait (reports/h100/issue51/lease5: SDPA's workers idle half
+  the time until TE's started, then SDPA the last family to finish);
 - each worker: the largest unit it runs (`probe_need`: a case's inputs, the layout's buffers, outputs, gradients,
   the comparison's chunks, the tensors kept to spot bitwise repeats, the path's own working memory
   `Backend.memory`; for a depth stack its weights, every layer's input and one layer's forward and backward,
@@ -233,15 +237,17 @@ def _demand(coords_list: list[Coords], device: str, repeats: int) -> _Demand:
                    any(c.kind is ProbeKind.DEPTH for c in coords_list), dict(work))
 
 
-def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool) -> tuple[int, dict[str, int], int]:
-    """(peak, parts, live references) of running with `workers` per key, side by side or taking turns."""
+def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool, window: int | None = None
+          ) -> tuple[int, dict[str, int], int]:
+    """(peak, parts, live references) of running with `workers` per key, side by side or taking turns; `window`:
+    the references kept at once (default one per worker)."""
     fixed = "the processes' CUDA contexts" if device.startswith("cuda") else "the processes' interpreters"
     parts: dict[str, int] = {fixed: process_bytes("parent", device)}
     for key, count in workers.items():
         parts[fixed] += count * process_bytes(demand.families[key], device)
     kept_sizes = sorted((kept for kept, _ in demand.references), reverse=True)
     scratch = max((s for _, s in demand.references), default=0)
-    live = 1 if serial else min(len(kept_sizes), max(1, sum(workers.values())))
+    live = 1 if serial else min(len(kept_sizes), window or max(1, sum(workers.values())))
     kept = sum(kept_sizes[:live])
     # On the CPU what a process frees mostly stays with it (glibc keeps freed heap pages for the next allocation),
     # so a family that had its turn still holds its peak, and the parent its reference's scratch: measured, the
@@ -313,6 +319,10 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
             fewer = f"{'; '.join(said)}: side by side they would need more than {budget.source}"
     if refuse and budget is not None and total > budget.bytes:
         raise BadInput(_refusal(coords_list, device, budget, total, parts, repeats))
+    if budget is not None and not serial and device.startswith("cuda") and total <= budget.bytes:
+        wider = _window(demand, live, budget.bytes - total)
+        if wider > live:
+            total, parts, live = _peak(demand, device, workers, serial, wider)
     fixed = {"parent": process_bytes("parent", device)}
     fixed.update({key: process_bytes(demand.families[key], device) for key in workers})
     kept = parts.get(_KEPT, 0)
@@ -324,6 +334,17 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
         parent_cap=parent_need + spare * parent_need // needs_sum,
         worker_caps={key: demand.needs[key] + spare * demand.needs[key] // needs_sum for key in workers},
         estimate=total, needs=dict(demand.needs), parts=parts, fixed=fixed, fewer=fewer)
+
+
+def _window(demand: _Demand, live: int, spare: int) -> int:
+    """The references to keep at once (`live` and more): as many of the next largest as take no more than half of
+    `spare`, what the plan leaves of the budget (see the module)."""
+    kept_sizes = sorted((kept for kept, _ in demand.references), reverse=True)
+    extra = 0
+    while live < len(kept_sizes) and extra + kept_sizes[live] <= spare // 2:
+        extra += kept_sizes[live]
+        live += 1
+    return live
 
 
 # -- phases: the small points side by side, then the large --

@@ -1,7 +1,8 @@
 """Running probes: coordinates in, judged rows out, on worker processes kept across groups of probes.
 
 One pool of workers per backend family (`workers_per_family` each: a sweep may ask for more than one; None: the
-cores shared among the families, `attn_doctor.execution.concurrency`).
+cores shared among the families, `attn_doctor.execution.concurrency`, and a worker whose family has no unit left in
+a phase goes on as a worker of the family with the most work left: `attn_doctor.execution.handover`).
 Families, and the workers of a family, run concurrently; a family's probes go to its workers one (group,
 case) at a time, so a worker builds each case's inputs and maps its shared reference once. Each case's float64
 reference (a depth stack's too) is computed once, here in the parent, and mapped by the workers
@@ -34,6 +35,7 @@ from attn_doctor.core.case import Case
 from attn_doctor.core.coords import Coords
 from attn_doctor.core.errors import first_line
 from attn_doctor.execution.budget import MemoryBudget, size
+from attn_doctor.execution.handover import Handover
 from attn_doctor.execution.memory_plan import MemoryPlan, plan_phases, probe_need
 from attn_doctor.execution.pool import Worker
 from attn_doctor.execution.progress import ProgressSink
@@ -160,7 +162,8 @@ class Session:
     """Worker processes kept across groups of probes (a sweep's points, a bisect's steps)."""
 
     def __init__(self, device: str, timeout_s: float = DEFAULT_TIMEOUT_S, workers_per_family: int | None = 1,
-                 progress: ProgressSink | None = None, repeats: int = 1, budget: MemoryBudget | None = None):
+                 progress: ProgressSink | None = None, repeats: int = 1, budget: MemoryBudget | None = None,
+                 hand_over: bool | None = None):
         from attn_doctor.execution.shared_reference import ReferenceStore
 
         self.device = device
@@ -172,6 +175,11 @@ class Session:
         self.plans: list[MemoryPlan] = []  # the last `run_groups`' plans, one per phase
         self._phase_plan: MemoryPlan | None = None  # the plan of the phase running now
         self.workers: dict[str, list[Worker]] = {}
+        self._pools = threading.Lock()  # `workers`' lists grow from serving threads (`_serve_and_move`)
+        # Workers change family where a family runs dry (`handover`): by default where the cores are shared by work
+        # (no --workers) on a GPU; on the CPU each family's one worker computes with its share of the threads.
+        self.hand_over = (workers_per_family is None and device.startswith("cuda")) if hand_over is None else hand_over
+        self.moves: list[tuple[str, str]] = []  # every hand-over of the session, (from, to), in order
         self.references = ReferenceStore(device, on_progress=self.progress.note)
 
     def __enter__(self) -> "Session":
@@ -181,9 +189,10 @@ class Session:
         self.close(graceful=exc_type is None)
 
     def close(self, graceful: bool = True) -> None:
-        for family in self.workers.values():
-            for worker in family:
-                worker.close(graceful=graceful)
+        with self._pools:
+            workers = [worker for family in self.workers.values() for worker in family]
+        for worker in workers:
+            worker.close(graceful=graceful)
         self.references.clear()
 
     @property
@@ -269,15 +278,32 @@ class Session:
                     worker.close()
                 del pool[starting.get(process, 0):]
         threads = cpu_threads(self.device, sum(starting.values()))
+        kinds: dict[str, tuple[str, dict[str, str]]] = {}  # process key -> (family, environment) of its workers
         for process, family_units in units.items():
             pool = self.workers.setdefault(process, [])
             spec = batch.groups[family_units[0][0]][family_units[0][1][0]].backend
+            kinds[process] = (spec.family, {**process_of(spec)[1], **threads})
+            family, environment = kinds[process]
             while len(pool) < starting[process]:
-                pool.append(Worker(spec.family, self.device, self.timeout_s, {**process_of(spec)[1], **threads}))
+                pool.append(Worker(family, self.device, self.timeout_s, environment))
         if plan.serial:
             self._wait(batch, [lambda: self._serve_in_turn(batch, units)])
-        else:
-            self._wait(batch, [lambda f=f: self._serve_family(batch, units[f], starting[f], f) for f in units])
+            return
+        todos = {process: _queue_of(family_units) for process, family_units in units.items()}
+        handover = self._handover(batch, units, starting, plan) if self.hand_over else None
+        self._wait(batch, [lambda p=p, w=w: self._serve_and_move(batch, w, p, todos, handover, kinds)
+                           for p in units for w in self.workers[p][:starting[p]]])
+        if handover is not None:
+            self.moves += handover.moves
+
+    def _handover(self, batch: _Batch, units: dict[str, list[tuple[int, list[int]]]], starting: dict[str, int],
+                  plan: MemoryPlan) -> Handover:
+        """The phase's hand-over bookkeeping: each key's units and their seconds, its workers, and the memory the
+        plan holds for one of them."""
+        return Handover(left_s={p: sum(unit_seconds(batch.groups, *unit) for unit in u) for p, u in units.items()},
+                        left_units={p: len(u) for p, u in units.items()}, live=dict(starting),
+                        footprint={p: plan.fixed.get(p, 0) + plan.worker_caps.get(p, 0) for p in units},
+                        budgeted=plan.budget is not None)
 
     def _hold_parent(self, plan: MemoryPlan) -> None:
         """Hold this process's allocator (the float64 references) to its share of the budget."""
@@ -385,12 +411,15 @@ class Session:
             self._probe(batch, self.workers[key][0], group, index, self._start(self.workers[key][0]), alone=True)
 
     def _serve(self, batch: _Batch, worker: Worker, todo: queue.Queue,
-               starting: threading.Thread | None = None) -> None:
+               starting: threading.Thread | None = None, on_take: Callable[[int, list[int]], None] | None = None
+               ) -> None:
         while not batch.stopped.is_set():
             try:
                 group, indices = todo.get_nowait()
             except queue.Empty:
                 return
+            if on_take is not None:
+                on_take(group, indices)
             starting = starting or self._start(worker)
             for index in indices:
                 if batch.stopped.is_set():
@@ -408,13 +437,33 @@ class Session:
                         self.references.clear()  # releases every job waiting for room
                         return
 
-    def _serve_family(self, batch: _Batch, family_units: list, at_once: int, family: str) -> None:
-        todo: queue.Queue = queue.Queue()
-        for unit in family_units:
-            todo.put(unit)
-        threads = [_Thread(self._serve, batch, worker, todo) for worker in self.workers[family][:at_once]]
-        for thread in threads:
-            thread.join_and_raise()
+    def _serve_and_move(self, batch: _Batch, worker: Worker, key: str, todos: dict[str, queue.Queue],
+                        handover: Handover | None, kinds: dict[str, tuple[str, dict[str, str]]]) -> None:
+        """Serve `key`'s units on `worker` until none is left; then, with `handover`, go on as a new worker of the
+        key it names (the old one closed first: its memory is the new one's), and so on."""
+        while True:
+            def took(group: int, indices: list[int], key: str = key, worker: Worker = worker) -> None:
+                if handover is not None:
+                    if (worker.hello or {}).get("forked"):
+                        handover.is_forked(key)
+                    handover.took(key, unit_seconds(batch.groups, group, indices))
+
+            self._serve(batch, worker, todos[key], on_take=took)
+            if handover is None or batch.stopped.is_set():
+                return
+            if (worker.hello or {}).get("forked"):
+                handover.is_forked(key)
+            close, key = handover.drained(key)
+            if close:
+                worker.close()
+            if key is None:
+                return
+            worker = Worker(kinds[key][0], self.device, self.timeout_s, kinds[key][1])
+            with self._pools:
+                self.workers[key].append(worker)
+            if batch.stopped.is_set():  # Ctrl-C while it was made: `close` may have missed it
+                worker.close(graceful=False)
+                return
 
     def _serve_in_turn(self, batch: _Batch, units: dict[str, list[tuple[int, list[int]]]]) -> None:
         # One reference at a time: every family measures a case (a depth) before the next one is built.
@@ -461,6 +510,20 @@ class _Thread(threading.Thread):
             self.join(0.1)
         if self._error is not None:
             raise self._error
+
+
+def unit_seconds(groups: list[list[Coords]], group: int, indices: list[int]) -> float:
+    """About how long a unit's probes take (`backends.probe_seconds`, summed)."""
+    from attn_doctor.backends import probe_seconds
+
+    return sum(probe_seconds(groups[group][i].backend) for i in indices)
+
+
+def _queue_of(units: list) -> queue.Queue:
+    todo: queue.Queue = queue.Queue()
+    for unit in units:
+        todo.put(unit)
+    return todo
 
 
 def serving_order(groups: list[list[Coords]], units: dict[str, list[tuple[int, list[int]]]]

@@ -141,9 +141,12 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     from attn_doctor.execution.session import Session
     from attn_doctor.workflows.run import make_report, profile
 
+    from attn_doctor.core.processes import seconds_since_start
+
     request = plan.request
     progress = progress or ProgressSink()
     start = time.perf_counter()
+    lead = seconds_since_start()  # the command's own start: interpreter, imports, the plan
     plan.log.write_header(make_report([], request.specs, request.device, request.command, read_te=False,
                                       not_judged=request.not_judged))
     rows = list(plan.done_rows)
@@ -160,6 +163,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
             rows.extend(point_rows)
         facts, startup, reference_s = session.facts, session.startup_seconds, session.references.seconds
         plans = session.plans or ([plan.memory] if plan.memory is not None else [])
+        moves = len(session.moves)
     probes_s = time.perf_counter() - start
     progress.end()
     report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged,
@@ -170,7 +174,10 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     wall = time.perf_counter() - start
     report.seconds = {**profile(rows[len(plan.done_rows):], startup, reference_s, probes_s, wall), "wall": wall,
                       "points": float(len(plan.todo)),
-                      "points per minute": 60 * len(plan.todo) / wall if wall > 0 else 0.0}
+                      "points per minute": 60 * len(plan.todo) / wall if wall > 0 else 0.0,
+                      "workers that changed family": float(moves)}
+    if lead is not None:
+        report.seconds["before the session (from the command's start)"] = lead
     if report.depth_lines:
         from attn_doctor.render.plot import plot_depth
 

@@ -3,6 +3,8 @@
 # to back). From the project root on the GPU machine, after benchmarks/h100/stage-lease.sh's staging calls:
 #   bash benchmarks/h100/issue51.sh PHASE DEST     (DEST: $OUT; gets PHASE.tgz)
 # cold-new   env, then te-coverage from a cold start on this tree (the first sweep this machine runs)
+# pair       env, then te-coverage cold on this tree, then on .device-base (paired; on a fresh machine this tree's
+#            run is the machine's first sweep)
 # forkcheck  two workers of each of TE's and SDPA's kinds started as a sweep starts them: forked from a fork server
 #            (their hellos say so, with the server's threads) or launched, and how long each start took
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree (PROFILE=1: then this tree
@@ -35,6 +37,22 @@ case "$phase" in
     monitor=$!
     LIMIT=${LIMIT:-170} "${cold[@]}" coverage-new-cold "$root" --recipe te-coverage "${workers[@]}"
     kill "$monitor" 2>/dev/null ;;
+  pair)
+    # te-coverage cold on this tree, then on .device-base (the commit before, carried): the first on a fresh machine
+    # is this tree's, the machine's first sweep; monitored every 5 s
+    PYTHONPATH=$root python3 -m attn_doctor env > "$out/env.txt" 2>&1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+    python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'transformer-engine', \
+'nvidia-cudnn-cu13')})" > "$out/versions.txt" 2>&1
+    n=$(ls -d "$out"/coverage-new* 2>/dev/null | grep -c -v -- -sweep)  # a second call numbers its runs on
+    for tree in new base; do
+        label=coverage-$tree$([ "$n" -gt 0 ] && echo "-$((n + 1))")
+        DUMP_AT="" bash "$root/benchmarks/h100/monitor.sh" "$out/monitor-$label" 5 &
+        monitor=$!
+        dir=$root; [ "$tree" = base ] && dir=$root/.device-base
+        LIMIT=${LIMIT:-150} "${cold[@]}" "$label" "$dir" --recipe te-coverage "${workers[@]}"
+        kill "$monitor" 2>/dev/null
+    done ;;
   forkcheck)
     PYTHONPATH=$root python3 - > "$out/forkcheck.txt" 2>&1 <<'PY'
 import json, time
