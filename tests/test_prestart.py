@@ -49,6 +49,8 @@ def test_the_sessions_workers_are_forked_from_the_prestarted_server_of_their_key
             assert worker.ensure_started() is None
             assert worker.hello["forked"]["server_pid"] == server.proc.pid
             assert worker.hello["pid"] == worker._proc.pid
+            cost = worker.hello["forked"]  # what the server's start took: the sweep's profile reports it
+            assert 0 < cost["cpu_s"] and 0 < cost["ready_s"] < 120 and cost["major_faults"] >= 0
             assert _parent_of(worker._proc.pid) == os.getpid()  # re-parented here: waited for like any child
             assert worker._proc in processes._live
         reply = workers[0].request({"op": "nonsense"})  # a forked process serves jobs as any worker does

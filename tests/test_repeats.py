@@ -244,6 +244,9 @@ def test_the_workers_jobs_carry_the_repeat_count(small_case, monkeypatch):
             jobs.append(job)
             return {"status": "skip", "reason": "recorded"}
 
+        def ask_to_quit(self):
+            return None
+
         def close(self, graceful=True):
             pass
 

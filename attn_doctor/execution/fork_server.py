@@ -177,6 +177,19 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
 
 
+def _imports_cost() -> dict[str, float]:
+    """What this server's start took, its imports done: seconds since it started, of them on a CPU (user and
+    system), and the pages it waited for the disk to read (major faults: a cold page cache). Where a cold start goes
+    (reports/h100/issue51/lease6)."""
+    import resource
+
+    from attn_doctor.core.processes import seconds_since_start
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"ready_s": round(seconds_since_start() or 0.0, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+            "major_faults": usage.ru_majflt}
+
+
 def _send(control: socket.socket, message: dict) -> None:
     control.send(json.dumps(message).encode())
 
@@ -187,7 +200,7 @@ def serve(family: str, device: str, control_fd: int) -> int:
     from attn_doctor.execution import worker
 
     hello = worker.prepare(family)
-    hello["forked"] = {"server_pid": os.getpid(), "server_threads": _threads()}
+    hello["forked"] = {"server_pid": os.getpid(), "server_threads": _threads(), **_imports_cost()}
     control = socket.socket(fileno=control_fd)
     why_not = _why_not_forkable()
     _send(control, {"ready": why_not is None, "why_not": why_not})

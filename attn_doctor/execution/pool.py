@@ -79,6 +79,7 @@ class Worker:
         self.starts = 0
         self.startup_seconds = 0.0  # process start to hello (interpreter, torch, library import), all starts
         self._proc = None
+        self._quitting = False  # asked to quit (`ask_to_quit`), not yet closed
         self._replies: queue.Queue = queue.Queue()
         self._stderr = tempfile.TemporaryFile(mode="w+b")
         self._next_id = 0
@@ -193,15 +194,27 @@ class Worker:
             self.close()
         return reply
 
+    def ask_to_quit(self) -> None:
+        """Ask the process to end, without waiting (`close` waits): closing many, ask them all first, and their
+        ends (a CUDA context's teardown each) overlap."""
+        proc = self._proc
+        if proc is not None and not self._quitting and proc.poll() is None:
+            try:
+                proc.stdin.write(b'{"op": "quit"}\n')
+                proc.stdin.flush()
+            except OSError:
+                pass
+            self._quitting = True
+
     def close(self, graceful: bool = True) -> None:
-        proc, self._proc = self._proc, None
+        if graceful:
+            self.ask_to_quit()
+        proc, self._proc, self._quitting = self._proc, None, False
         if proc is None:
             return
         if graceful and proc.poll() is None:
             try:
-                proc.stdin.write(b'{"op": "quit"}\n')
-                proc.stdin.flush()
                 processes.wait(proc, timeout_s=5)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 pass
         processes.kill_group(proc)

@@ -163,7 +163,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
             rows.extend(point_rows)
         facts, startup, reference_s = session.facts, session.startup_seconds, session.references.seconds
         plans = session.plans or ([plan.memory] if plan.memory is not None else [])
-        moves = len(session.moves)
+        moves, servers = len(session.moves), session.server_starts
     probes_s = time.perf_counter() - start
     progress.end()
     report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged,
@@ -178,6 +178,9 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
                       "workers that changed family": float(moves)}
     if lead is not None:
         report.seconds["before the session (from the command's start)"] = lead
+    for key, start in servers.items():  # the server's imports, from its start (at the command's first lines)
+        report.seconds[f"fork server imports ({key})"] = float(start["ready_s"])
+        report.seconds[f"fork server imports ({key}), on a CPU"] = float(start["cpu_s"])
     if report.depth_lines:
         from attn_doctor.render.plot import plot_depth
 
