@@ -11,14 +11,17 @@ receiving family's workers are forked, and worth it where its share of what is l
 library anew.
 
 Memory: a worker that hands over is closed first, and what its plan held for it (`MemoryPlan.fixed` and its cap)
-goes to a pool; a new worker takes its own family's share from that pool, so the plan's estimate is never
-exceeded. Pure bookkeeping here; `execution.session` closes and starts the processes.
+goes to a pool, with as many idle workers of drained families as the new worker needs; it takes its own
+family's share from that pool, so the plan's estimate is never exceeded. A drained worker that nobody needs stays
+as it is (its caches warm for a later phase). Pure bookkeeping here; `execution.session` closes and starts the
+processes.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 # A forked worker's start is about a second (the fork 0.2 s, then its CUDA context and first kernel: 0.7-0.9 s for
 # SDPA's and local's on the H100, lease5). A new worker is worth it when its share of the family's remaining work is
@@ -57,6 +60,7 @@ class Handover:
     budgeted: bool  # False: no memory budget (nothing to hold the pool to)
     forked: set[str] = field(default_factory=set)  # keys with a worker known to be forked from a fork server
     room: int = 0  # bytes given up by closed workers, not yet taken by new ones
+    idle: list[tuple[str, Any]] = field(default_factory=list)  # (key, worker) drained and kept, longest idle first
     moves: list[tuple[str, str]] = field(default_factory=list)  # (from, to), in order: the phase's record
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -71,20 +75,29 @@ class Handover:
         with self._lock:
             self.forked.add(key)
 
-    def drained(self, key: str) -> tuple[bool, str | None]:
-        """A worker of `key` found no unit left: (whether to close it, the key it serves next). A worker of a forked
-        family is closed (starting one again later is cheap) and its memory joins the pool; the key it serves next,
-        if one qualifies (`receiver`), takes its own from the pool. A worker of a family that is not forked is kept
-        (a later phase would import its library anew) and serves nothing else."""
+    def drained(self, key: str, worker: Any) -> tuple[list[Any], str | None]:
+        """`worker`, of `key`, found no unit left: (the workers to close, the key it serves next). Where a key
+        qualifies (`receiver`, counting the memory of every idle worker as free), `worker` is closed, and as many
+        other idle ones as the new worker's memory needs (the longest idle first); else `worker` stays as it is,
+        idle (a later phase of its family finds its caches warm: closed at once, te-tests' workers each built their
+        kernels again in its next phase, lease6), its memory counted by later hand-overs. A worker of a family that
+        is not forked neither moves nor is closed (a later phase would import its library anew)."""
         with self._lock:
             self.live[key] -= 1
             if key not in self.forked:
-                return False, None
-            self.room += self.footprint.get(key, 0)
+                return [], None
+            self.idle.append((key, worker))
+            reclaimable = self.room + sum(self.footprint.get(k, 0) for k, _ in self.idle)
             chosen = receiver(self.left_s, self.left_units, self.live, self.forked, self.footprint,
-                              self.room if self.budgeted else None)
-            if chosen is not None:
-                self.room -= self.footprint.get(chosen, 0)
-                self.live[chosen] += 1
-                self.moves.append((key, chosen))
-            return True, chosen
+                              reclaimable if self.budgeted else None)
+            if chosen is None:
+                return [], None
+            closing = [self.idle.pop()]  # this worker first: its thread goes on with the new one
+            self.room += self.footprint.get(key, 0)
+            while self.budgeted and self.room < self.footprint.get(chosen, 0) and self.idle:
+                closing.append(self.idle.pop(0))
+                self.room += self.footprint.get(closing[-1][0], 0)
+            self.room -= self.footprint.get(chosen, 0)
+            self.live[chosen] += 1
+            self.moves.append((key, chosen))
+            return [w for _, w in closing], chosen

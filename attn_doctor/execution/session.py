@@ -468,9 +468,9 @@ class Session:
                 return
             if (worker.hello or {}).get("forked"):
                 handover.is_forked(key)
-            close, key = handover.drained(key)
-            if close:
-                worker.close()
+            closing, key = handover.drained(key, worker)
+            for idle in closing:  # this worker first, then any other idle one whose memory the new one needs
+                idle.close()
             if key is None:
                 return
             worker = Worker(kinds[key][0], self.device, self.timeout_s, kinds[key][1])
