@@ -181,6 +181,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     for key, start in servers.items():  # the server's imports, from its start (at the command's first lines)
         report.seconds[f"fork server imports ({key})"] = float(start["ready_s"])
         report.seconds[f"fork server imports ({key}), on a CPU"] = float(start["cpu_s"])
+        report.seconds[f"fork server imports ({key}), pages read from disk"] = float(start.get("major_faults", 0))
     if report.depth_lines:
         from attn_doctor.render.plot import plot_depth
 
