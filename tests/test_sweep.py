@@ -930,4 +930,9 @@ def test_a_sweep_records_where_its_time_went_and_workers_can_write_their_profile
     assert {"worker start (local)", "worker start (sdpa)", "kernels", "comparison", "probes (wall)",
             "points per minute"} <= set(seconds)
     assert seconds["points"] == 2 and seconds["probes (wall)"] <= seconds["wall"]
+    # the pace is counted from the command's start (its imports and plan), as a user waits for it
+    before = seconds["before the session (from the command's start)"]
+    assert 0 < before and seconds["wall"] == pytest.approx(before + seconds["diagnose (wall)"], abs=1e-6)
+    assert seconds["points per minute"] == pytest.approx(60 * 2 / seconds["wall"])
+    assert "cases in" in result.output and "s from the command's start" in result.output
     assert {path.name.split("-")[1] for path in (tmp_path / "prof").glob("worker-*.prof")} == {"local", "sdpa"}

@@ -92,5 +92,6 @@ def replay(app: Application, capture_dir: Path, call_index, layer, rank, seed, b
     directory = out_dir or app.new_run_dir("replay")
     request = sweeping.SweepRequest(cases, specs, canonical_layouts(layouts), resolve_device(device), directory,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
-                                    repeats=repeats, not_judged=unreadable, memory=MemoryAsk(max_memory))
+                                    repeats=repeats, not_judged=unreadable, memory=MemoryAsk(max_memory),
+                                    started=app.started)
     return execute(app, request, "the finished calls are in {log}")

@@ -75,7 +75,7 @@ def sweep(app: Application, backends, kernels, te_release, cudnn, layouts, devic
                                     resolve_device(device), directory,
                                     resume=resume is not None, depths=depths, degrees=degrees, workers=workers,
                                     timeout_s=timeout, command=app.command_line(), layouts_given=bool(layouts),
-                                    repeats=repeats, shard=shard, memory=memory)
+                                    repeats=repeats, shard=shard, memory=memory, started=app.started)
     return execute(app, request, "the finished points are in {log}; continue with --resume {directory}")
 
 

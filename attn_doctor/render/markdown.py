@@ -120,8 +120,8 @@ def report_markdown(data: ReportData) -> str:
     if data.builds_sentence:
         top += [f"**Builds:** {escape(data.builds_sentence)}", ""]
     if report.seconds.get("points"):
-        top += [f"**Sweep:** {report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s "
-                f"({report.seconds['points per minute']:.1f} cases per minute).", ""]
+        top += [f"**Sweep:** {report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s from the "
+                f"command's start ({report.seconds['points per minute']:.1f} cases per minute).", ""]
     if data.known:
         top += ["**Known defects matching this machine and case:**", ""]
         top += [f"- {escape(text)}" for text in data.known] + [""]

@@ -279,8 +279,8 @@ def sweep_view(report) -> list:
     views += notes_lines([r for r in report.rows if r.verdict in ("ERROR", "TOO-BIG")])
     views += flash_style_lines(report.rows)
     if report.seconds.get("points"):
-        views.append(Text(f"{report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s: "
-                          f"{report.seconds['points per minute']:.1f} cases per minute", style="dim"))
+        views.append(Text(f"{report.seconds['points']:.0f} cases in {report.seconds['wall']:.0f} s from the command's "
+                          f"start: {report.seconds['points per minute']:.1f} cases per minute", style="dim"))
     views.append(summary_text(report))
     return views
 

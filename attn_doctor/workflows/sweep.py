@@ -42,6 +42,7 @@ class SweepRequest:
     shard: tuple[int, int] | None = None  # --shard I/N: only the I-th of N slices of the points (`shard_of`)
     not_judged: list[str] = field(default_factory=list)  # asked for, not runnable: why each (replay's damaged calls)
     memory: MemoryAsk = field(default_factory=MemoryAsk)  # --max-memory, and what was free at the start
+    started: float | None = None  # time.perf_counter() at the command's start (None: the session's start)
 
 
 @dataclass
@@ -141,12 +142,9 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     from attn_doctor.execution.session import Session
     from attn_doctor.workflows.run import make_report, profile
 
-    from attn_doctor.core.processes import seconds_since_start
-
     request = plan.request
     progress = progress or ProgressSink()
     start = time.perf_counter()
-    lead = seconds_since_start()  # the command's own start: interpreter, imports, the plan
     plan.log.write_header(make_report([], request.specs, request.device, request.command, read_te=False,
                                       not_judged=request.not_judged))
     rows = list(plan.done_rows)
@@ -169,15 +167,17 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged,
                          notes=phases_notes(plans))
     report.memory = phases_document(plans)
-    # This run's wall time and pace (points already done by an earlier run are not counted), and where the time
-    # went (`workflows.run.profile`: each family's slowest worker start, the parent's references, the probes).
-    wall = time.perf_counter() - start
-    report.seconds = {**profile(rows[len(plan.done_rows):], startup, reference_s, probes_s, wall), "wall": wall,
+    # This run's wall time and pace, from the command's start (its imports, TE's among them, and its plan count:
+    # what a user waits; points already done by an earlier run are not counted), and where the time went
+    # (`workflows.run.profile`: each family's slowest worker start, the parent's references, the probes).
+    now = time.perf_counter()
+    before = start - request.started if request.started is not None else 0.0
+    wall = now - start + before
+    report.seconds = {**profile(rows[len(plan.done_rows):], startup, reference_s, probes_s, now - start),
+                      "before the session (from the command's start)": before, "wall": wall,
                       "points": float(len(plan.todo)),
                       "points per minute": 60 * len(plan.todo) / wall if wall > 0 else 0.0,
                       "workers that changed family": float(moves)}
-    if lead is not None:
-        report.seconds["before the session (from the command's start)"] = lead
     for key, start in servers.items():  # the server's imports, from its start (at the command's first lines)
         report.seconds[f"fork server imports ({key})"] = float(start["ready_s"])
         report.seconds[f"fork server imports ({key}), on a CPU"] = float(start["cpu_s"])
