@@ -457,17 +457,17 @@ class Session:
         """Serve `key`'s units on `worker` until none is left; then, with `handover`, go on as a new worker of the
         key it names (the old one closed first: its memory is the new one's), and so on."""
         while True:
-            def took(group: int, indices: list[int], key: str = key, worker: Worker = worker) -> None:
+            def took(group: int, indices: list[int], key: str = key) -> None:
                 if handover is not None:
-                    if (worker.hello or {}).get("forked"):
-                        handover.is_forked(key)
                     handover.took(key, unit_seconds(batch.groups, group, indices))
 
             self._serve(batch, worker, todos[key], on_take=took)
             if handover is None or batch.stopped.is_set():
                 return
-            if (worker.hello or {}).get("forked"):
-                handover.is_forked(key)
+            with self._pools:  # a family is forked once any worker of it said so (TE's, once TE is imported)
+                forked = [k for k, pool in self.workers.items() if any((w.hello or {}).get("forked") for w in pool)]
+            for other in forked:
+                handover.is_forked(other)
             closing, key = handover.drained(key, worker)
             for idle in closing:  # this worker first, then any other idle one whose memory the new one needs
                 idle.close()
