@@ -4,10 +4,10 @@ its last one, gives its core and its memory to the family with the most work lef
 Why: the cores are shared among the families by their planned work (`concurrency.default_workers`), but the
 families do not run as planned: TE's workers start seconds after SDPA's and local's (TE's import), the weights are
 averages, and whichever family ends first would leave its cores idle while the last one runs on with the workers
-it was given. On an H100 (reports/h100/issue51/lease6, te-coverage from a cold start) local ran dry about 30 s into a
-58 s sweep and SDPA about 40 s in, and their 7 workers went on as TE's (16 at once). A worker forked from its family's fork server starts in about a second, so moving a core is cheap where the
-receiving family's workers are forked, and worth it where its share of what is left takes several times that
-(`WORTH_S`). Workers of a family that is not forked (its server refused) never receive one: each would import its
+it was given. On an H100 (reports/h100/issue51/lease6, te-coverage from a cold start) local ran dry about 30 s
+into a 58 s sweep and SDPA about 40 s in, and their 7 workers went on as TE's (16 at once). A worker forked from
+its family's fork server starts in about a second, so moving a core is cheap where the receiving family's workers
+are forked, and worth it where its share of what is left takes several times that (`WORTH_S`). Workers of a family that is not forked (its server refused) never receive one: each would import its
 library anew.
 
 Memory: a worker that hands over is closed first, and what its plan held for it (`MemoryPlan.fixed` and its cap)
