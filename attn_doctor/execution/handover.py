@@ -7,8 +7,8 @@ averages, and whichever family ends first would leave its cores idle while the l
 it was given. On an H100 (reports/h100/issue51/lease6, te-coverage from a cold start) local ran dry about 30 s
 into a 58 s sweep and SDPA about 40 s in, and their 7 workers went on as TE's (16 at once). A worker forked from
 its family's fork server starts in about a second, so moving a core is cheap where the receiving family's workers
-are forked, and worth it where its share of what is left takes several times that (`WORTH_S`). Workers of a family that is not forked (its server refused) never receive one: each would import its
-library anew.
+are forked, and worth it where its share of what is left takes several times that (`WORTH_S`). Workers of a
+family that is not forked (its server refused) never receive one: each would import its library anew.
 
 Memory: a worker that hands over is closed first, and what its plan held for it (`MemoryPlan.fixed` and its cap)
 goes to a pool, with as many idle workers of drained families as the new worker needs; it takes its own
