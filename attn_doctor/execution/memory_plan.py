@@ -211,6 +211,11 @@ class _Demand:
     depth: bool
     work: dict[str, float] = field(default_factory=dict)  # process key -> its probes' seconds (`probe_seconds`)
 
+    @property
+    def kept_sizes(self) -> list[int]:
+        """Each reference's kept bytes, largest first (the plan counts the largest that may be kept at once)."""
+        return sorted((kept for kept, _ in self.references), reverse=True)
+
 
 def _demand(coords_list: list[Coords], device: str, repeats: int) -> _Demand:
     per_unit: dict[tuple[str, tuple], list[Coords]] = defaultdict(list)
@@ -245,7 +250,7 @@ def _peak(demand: _Demand, device: str, workers: dict[str, int], serial: bool, w
     parts: dict[str, int] = {fixed: process_bytes("parent", device)}
     for key, count in workers.items():
         parts[fixed] += count * process_bytes(demand.families[key], device)
-    kept_sizes = sorted((kept for kept, _ in demand.references), reverse=True)
+    kept_sizes = demand.kept_sizes
     scratch = max((s for _, s in demand.references), default=0)
     live = 1 if serial else min(len(kept_sizes), window or max(1, sum(workers.values())))
     kept = sum(kept_sizes[:live])
@@ -339,7 +344,7 @@ def plan_memory(coords_list: list[Coords], device: str, budget: MemoryBudget | N
 def _window(demand: _Demand, live: int, spare: int) -> int:
     """The references to keep at once (`live` and more): as many of the next largest as take no more than half of
     `spare`, what the plan leaves of the budget (see the module)."""
-    kept_sizes = sorted((kept for kept, _ in demand.references), reverse=True)
+    kept_sizes = demand.kept_sizes
     extra = 0
     while live < len(kept_sizes) and extra + kept_sizes[live] <= spare // 2:
         extra += kept_sizes[live]

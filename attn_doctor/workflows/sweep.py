@@ -171,13 +171,14 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
     # what a user waits; points already done by an earlier run are not counted), and where the time went
     # (`workflows.run.profile`: each family's slowest worker start, the parent's references, the probes).
     now = time.perf_counter()
-    before = start - request.started if request.started is not None else 0.0
-    wall = now - start + before
+    origin = request.started if request.started is not None else start
+    wall = now - origin
     report.seconds = {**profile(rows[len(plan.done_rows):], startup, reference_s, probes_s, now - start),
-                      "before the session (from the command's start)": before, "wall": wall,
-                      "points": float(len(plan.todo)),
+                      "wall": wall, "points": float(len(plan.todo)),
                       "points per minute": 60 * len(plan.todo) / wall if wall > 0 else 0.0,
                       "workers that changed family": float(moves)}
+    if request.started is not None:  # not known, not said
+        report.seconds["before the session (from the command's start)"] = start - request.started
     for key, start in servers.items():  # the server's imports, from its start (at the command's first lines)
         report.seconds[f"fork server imports ({key})"] = float(start["ready_s"])
         report.seconds[f"fork server imports ({key}), on a CPU"] = float(start["cpu_s"])

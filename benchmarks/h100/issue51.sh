@@ -29,12 +29,22 @@ mkdir -p "$out" "$dest"
 cold=(bash "$root/benchmarks/h100/cold-sweep.sh" "$out")
 workers=()  # each tree's own default, unless WORKERS=N
 [ -n "${WORKERS:-}" ] && workers=(--workers "$WORKERS")
-case "$phase" in
-  cold-new)
+machine_facts() {  # the machine and the versions a run's numbers belong to, into $out
     PYTHONPATH=$root python3 -m attn_doctor env > "$out/env.txt" 2>&1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-    python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'transformer-engine', \
-'flash-attn-4', 'nvidia-cudnn-cu13')})" > "$out/versions.txt" 2>&1
+    python3 - > "$out/versions.txt" 2>&1 <<'PY'
+import importlib.metadata as m
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return "not installed"
+print({name: version(name) for name in ("torch", "transformer-engine", "flash-attn-4", "nvidia-cudnn-cu13")})
+PY
+}
+case "$phase" in
+  cold-new)
+    machine_facts
     DUMP_AT="${DUMP_AT:-60 120}" bash "$root/benchmarks/h100/monitor.sh" "$out" 10 &
     monitor=$!
     LIMIT=${LIMIT:-170} "${cold[@]}" coverage-new-cold "$root" --recipe te-coverage "${workers[@]}"
@@ -42,10 +52,7 @@ case "$phase" in
   pair)
     # te-coverage cold on this tree, then on .device-base (the commit before, carried): the first on a fresh machine
     # is this tree's, the machine's first sweep; monitored every 5 s
-    PYTHONPATH=$root python3 -m attn_doctor env > "$out/env.txt" 2>&1
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-    python3 -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'transformer-engine', \
-'nvidia-cudnn-cu13')})" > "$out/versions.txt" 2>&1
+    machine_facts
     n=$(ls -d "$out"/coverage-new* 2>/dev/null | grep -c -v -- -sweep)  # a second call numbers its runs on
     for tree in new base; do
         label=coverage-$tree$([ "$n" -gt 0 ] && echo "-$((n + 1))")
