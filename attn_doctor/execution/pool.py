@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from attn_doctor.core import processes
+from attn_doctor.core import bytecode, processes
 from attn_doctor.execution import fork_server
 
 STARTUP_TIMEOUT_S = 300.0
@@ -47,7 +47,8 @@ def prestart_servers(backends: tuple[str, ...] | list[str], cudnn: str | None, d
     run), SDPA's where its paths are selected (no --backend, or one naming sdpa), and TE's where TE's attention paths
     are (no --backend, or one naming te), TE is installed and neither --cudnn nor --te is given (`cudnn`: either;
     each build's or release's paths run in processes with variables of their own). A wrong guess costs a process
-    ended at exit, never a row."""
+    ended at exit, never a row. First, where the environment has no bytecode for torch, the command goes under a
+    private one, filled on the idle cores (`core.bytecode`)."""
     import importlib.util
 
     device = device_name if device_name.startswith("cuda") else (
@@ -60,7 +61,9 @@ def prestart_servers(backends: tuple[str, ...] | list[str], cudnn: str | None, d
                                    for name in backends)
 
     layers = ("te.module", "te.mha", "te.layer")  # TE's layers: a worker of their own family (backends.te_module)
-    if named("te", but=layers) and not cudnn and importlib.util.find_spec("transformer_engine") is not None:
+    with_te = named("te", but=layers) and not cudnn and importlib.util.find_spec("transformer_engine") is not None
+    bytecode.start(["torch", "numpy"] + (["transformer_engine"] if with_te else []))  # before any of them imports
+    if with_te:
         prestart("te", device)  # first: TE's import is the longest
     if named("sdpa"):
         prestart("sdpa", device)

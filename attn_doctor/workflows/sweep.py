@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attn_doctor.core import bytecode
 from attn_doctor.core.case import Case
 from attn_doctor.core.coords import BackendSpec
 from attn_doctor.core.errors import BadInput
@@ -183,6 +184,10 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
         report.seconds[f"fork server imports ({key})"] = float(start["ready_s"])
         report.seconds[f"fork server imports ({key}), on a CPU"] = float(start["cpu_s"])
         report.seconds[f"fork server imports ({key}), pages read from disk"] = float(start.get("major_faults", 0))
+    compiled = bytecode.outcome()  # the sources compiled ahead for this command's processes (`core.bytecode`)
+    if compiled is not None:
+        report.seconds["sources compiled ahead"] = float(compiled["seconds"])
+        report.seconds["sources compiled ahead, files"] = float(compiled["compiled"])
     if report.depth_lines:
         from attn_doctor.render.plot import plot_depth
 

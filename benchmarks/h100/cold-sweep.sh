@@ -3,8 +3,9 @@
 #   bash benchmarks/h100/cold-sweep.sh OUT LABEL TREE [sweep options...]
 # TREE is the folder whose attn_doctor/ runs (the project root, or .device-base for the commit before a change).
 # Before the sweep: the kernel's page cache is dropped where the machine lets us (said in OUT/LABEL.txt), and the
-# on-disk caches of CUDA's JIT (~/.nv/ComputeCache), Triton, the CuTe DSL and torch are removed; so every
-# library is read from disk again and every runtime-compiled kernel is compiled again. With PROFILE=1 every
+# on-disk caches of CUDA's JIT (~/.nv/ComputeCache), Triton, the CuTe DSL, torch and attn-doctor's bytecode
+# (core/bytecode.py) are removed; so every library is read from disk again, every runtime-compiled kernel is
+# compiled again, and every Python source too. With PROFILE=1 every
 # worker writes its cProfile to OUT/prof-LABEL/ (that costs time: never in a timed comparison).
 set -uo pipefail
 out=$1 label=$2 tree=$3; shift 3
@@ -14,8 +15,9 @@ log="$out/$label.txt"
   sync
   if (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then echo "cold: page cache dropped"
   else echo "cold: page cache NOT dropped (not permitted here)"; fi
-  rm -rf ~/.nv/ComputeCache ~/.triton ~/.cache/torch ~/.cache/cutlass* ~/.cache/flash_attn* /tmp/cutlass* 2>/dev/null
-  echo "cold: ~/.nv/ComputeCache, ~/.triton, ~/.cache/{torch,cutlass*,flash_attn*} removed"
+  rm -rf ~/.nv/ComputeCache ~/.triton ~/.cache/torch ~/.cache/cutlass* ~/.cache/flash_attn* /tmp/cutlass* \
+      ~/.cache/attn-doctor/bytecode 2>/dev/null
+  echo "cold: ~/.nv/ComputeCache, ~/.triton, ~/.cache/{torch,cutlass*,flash_attn*,attn-doctor/bytecode} removed"
 } > "$log"
 work=$(mktemp -d)
 sweep_dir="$out/$label-sweep"  # streamed here, so a run cut short still leaves its finished points
@@ -49,4 +51,5 @@ print(f"{label}: exit {rc}, {cases} cases, wall {wall:.1f} s from the command's 
 PY
 gzip "$sweep_dir/results.jsonl" 2>/dev/null
 ls -la ~/.cache ~/.nv 2>/dev/null | head -20 >> "$log"
+du -sh ~/.nv/ComputeCache ~/.cache/attn-doctor/bytecode 2>/dev/null >> "$log"  # the JIT cache holds 256 MiB by default
 rm -rf "$work"

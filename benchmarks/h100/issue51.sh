@@ -5,8 +5,8 @@
 # cold-new   env, then te-coverage from a cold start on this tree (the first sweep this machine runs)
 # pair       env, then te-coverage cold on this tree, then on .device-base (paired; on a fresh machine this tree's
 #            run is the machine's first sweep)
-# importcheck TE's import cold (page cache dropped), warm, and warm with torch's and TE's bytecode compiled into a
-#            private prefix (how much is compiling sources): wall, CPU, major faults, -X importtime's slowest modules
+# importcheck TE's import cold (page cache dropped) as the image is, again, and with its sources compiled ahead into
+#            a private prefix on 16 processes (benchmarks/import_cost.py): how much is compiling sources
 # forkcheck  two workers of each of TE's and SDPA's kinds started as a sweep starts them: forked from a fork server
 #            (their hellos say so, with the server's threads) or launched, and how long each start took
 # speed      te-coverage cold: the commit before (.device-base, carried) and this tree (PROFILE=1: then this tree
@@ -63,31 +63,13 @@ case "$phase" in
         kill "$monitor" 2>/dev/null
     done ;;
   importcheck)
-    # TE's import as a fork server does it (the cold start's critical path): with the page cache dropped, then again
-    # warm, then warm with torch's and TE's bytecode compiled into a private prefix (this image ships torch without
-    # bytecode and sets PYTHONDONTWRITEBYTECODE: how much of the import is compiling sources); wall, CPU (user +
-    # system) and pages read from disk (major faults), and python -X importtime per module
-    time_import() {  # LABEL: one timed import, its -X importtime log in $out/importtime-LABEL.txt
-        python3 - "$out/importtime-$1.txt" "$1" >> "$out/importcheck.txt" <<'PY'
-import resource, subprocess, sys, time
-start = time.perf_counter()
-with open(sys.argv[1], "w") as log:
-    subprocess.run([sys.executable, "-X", "importtime", "-c", "import transformer_engine.pytorch"], stderr=log)
-usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(f"{sys.argv[2]}: import transformer_engine.pytorch {time.perf_counter() - start:.1f} s wall, "
-      f"{usage.ru_utime + usage.ru_stime:.1f} s CPU, {usage.ru_majflt} major faults")
-PY
-        sort -t'|' -k2 -n -r "$out/importtime-$1.txt" | head -25 > "$out/importtime-$1-top.txt"
-    }
+    # TE's import as a fork server does it (the cold start's critical path), page cache dropped first: as the image
+    # is (no bytecode for torch, PYTHONDONTWRITEBYTECODE=1), twice, then with the sources it loaded compiled on 16
+    # processes into a private prefix, then with every source of the packages it touched so compiled (what
+    # core/bytecode.py does): wall, CPU, pages read from disk, -X importtime's slowest modules
     sync; echo 3 > /proc/sys/vm/drop_caches
-    time_import cold
-    time_import warm
-    prefix=/tmp/issue51-pycache
-    sites=$(python3 -c "import importlib.util as u, os; print(' '.join(os.path.dirname(u.find_spec(m).origin) \
-for m in ('torch', 'transformer_engine')))")
-    PYTHONPYCACHEPREFIX=$prefix python3 -m compileall -q -j 0 $sites > /dev/null 2>&1
-    PYTHONPYCACHEPREFIX=$prefix time_import warm-bytecode
-    cat "$out/importcheck.txt" "$out/importtime-cold-top.txt" ;;
+    python3 "$root/benchmarks/import_cost.py" "$out" --jobs 16 > "$out/importcheck.txt" 2>&1
+    cat "$out/importcheck.txt" ;;
   forkcheck)
     PYTHONPATH=$root python3 - > "$out/forkcheck.txt" 2>&1 <<'PY'
 import json, time

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every PERIOD seconds until killed, what attn-doctor's processes are doing (state, kernel wait channel, CPU, the
-# GPU's processes and use) into DIR/monitor.log; at the seconds in DUMP_AT (e.g. "150 280"), every worker's Python
+# GPU's processes, use, clocks and power, and each process's share of the SMs) into DIR/monitor.log; at the seconds in DUMP_AT (e.g. "150 280"), every worker's Python
 # stacks (SIGUSR1: faulthandler) copied from its stderr into DIR/stacks-T-PID.txt: where a stalled sweep waits.
 #   bash benchmarks/h100/monitor.sh DIR [PERIOD] &
 dir=$1 period=${2:-15}
@@ -12,8 +12,11 @@ while :; do
     echo "== $(date +%T) (+${now}s)"
     # a forked worker shows its fork server's command line; its name (comm) says "worker FAMILY"
     ps -eo pid,ppid,etimes,stat,wchan:24,pcpu,rss,comm,args --sort=pid | grep -E "attn_doctor|PID" | grep -v grep | cut -c1-200
-    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1
+    nvidia-smi --query-gpu=utilization.gpu,memory.used,clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active \
+        --format=csv,noheader 2>&1
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1
+    # which process uses the GPU's SMs (one sample: pid, sm %, mem %): who a busy GPU is busy for
+    nvidia-smi pmon -c 1 -s u 2>&1 | awk '!/^#/ && $4 != "-" {print "pmon", $2, "sm", $4, "mem", $5}'
   } >> "$dir/monitor.log"
   for t in ${DUMP_AT:-}; do
     if [ "$now" -ge "$t" ] && [ ! -e "$dir/.dumped-$t" ]; then
