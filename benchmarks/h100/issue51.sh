@@ -145,8 +145,8 @@ PY
     fi ;;
   tests)
     # BASE=1: the commit before (.device-base, carried), for a paired run in the same lease
-    tree=$root label=te-tests
-    [ "${BASE:-0}" = 1 ] && tree=$root/.device-base label=te-tests-base
+    tree=$root label=${LABEL:-te-tests}  # LABEL: a third run's name (e.g. with a variable of CUDA's changed)
+    [ "${BASE:-0}" = 1 ] && tree=$root/.device-base label=${LABEL:-te-tests-base}
     DUMP_AT="${DUMP_AT:-240 420}" bash "$root/benchmarks/h100/monitor.sh" "$out/monitor-$label" 10 &
     monitor=$!
     LIMIT=${LIMIT:-500} "${cold[@]}" "$label" "$tree" --recipe te-tests "${workers[@]}"
