@@ -77,11 +77,19 @@ def test_compilers_are_the_cores_the_imports_leave(clean_state):
 def test_sources_come_in_import_order_without_tests(tmp_path, clean_state, monkeypatch):
     package = _package(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    found = bytecode.sources(["bcpkg"])
+    found = list(bytecode.sources(["bcpkg"]))
     stdlib = next(i for i, name in enumerate(found) if name.endswith(os.sep + "json" + os.sep + "__init__.py"))
     ours = found.index(str(Path(bytecode.__file__).resolve()))
     assert stdlib < ours < found.index(str(package / "mod.py"))
     assert not any(os.sep + "tests" + os.sep in name for name in found)
+
+
+def test_sources_go_on_to_what_a_packages_distribution_requires(clean_state):
+    found = list(bytecode.sources(["torch"]))  # torch requires sympy (its import loads much of it)
+    assert len(found) == len(set(found))
+    torch_init = next(i for i, name in enumerate(found) if name.endswith(os.sep.join(("torch", "__init__.py"))))
+    sympy_init = next(i for i, name in enumerate(found) if name.endswith(os.sep.join(("sympy", "__init__.py"))))
+    assert torch_init < sympy_init
 
 
 def test_compile_all_writes_under_the_prefix_once_and_again_when_a_source_changes(tmp_path, clean_state,

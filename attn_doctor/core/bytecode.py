@@ -171,27 +171,32 @@ def _required(distributions: list[str]) -> list:
     return [distribution for distribution in found.values() if distribution is not None]
 
 
-def sources(packages: list[str]) -> list[str]:
-    """The sources to compile, in about the order a worker imports them: the standard library, attn_doctor, each
-    of `packages`, then the rest of what their distributions require (tests left out)."""
-    import importlib.metadata as metadata
+def sources(packages: list[str]) -> Iterator[str]:
+    """The sources to compile, each once, in about the order a worker imports them: the standard library,
+    attn_doctor, each of `packages` (import names), then the rest of what their distributions require (tests left
+    out). A generator, so that compiling starts at the first folder: reading the distributions' metadata took
+    seconds with the page cache dropped on the GPU machine, while the worker it is for was importing."""
     import importlib.util
     import sysconfig
 
-    ordered: dict[str, None] = {}
+    seen: set[str] = set()
+
+    def new(found: Iterable[str]) -> Iterator[str]:
+        for source in found:
+            if source not in seen:
+                seen.add(source)
+                yield source
+
     roots = [Path(sysconfig.get_paths()["stdlib"]), Path(__file__).resolve().parents[1]]
     for name in packages:
         spec = importlib.util.find_spec(name)
         if spec and spec.origin and spec.origin.endswith(".py"):
             roots.append(Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin))
     for root in roots:
-        ordered.update(dict.fromkeys(_sources_under(root)))
-    owners = metadata.packages_distributions()
-    for distribution in _required([owner for name in packages for owner in owners.get(name, [])]):
-        for file in distribution.files or []:
-            if file.suffix == ".py" and not _SKIPPED_FOLDERS.intersection(file.parts[:-1]):
-                ordered.setdefault(str(file.locate()), None)
-    return list(ordered)
+        yield from new(_sources_under(root))
+    for distribution in _required(packages):  # a package's distribution is taken to bear its name (torch, numpy)
+        yield from new(str(file.locate()) for file in distribution.files or []
+                       if file.suffix == ".py" and not _SKIPPED_FOLDERS.intersection(file.parts[:-1]))
 
 
 def up_to_date(source: str, cached: Path) -> bool:
@@ -235,12 +240,16 @@ def compile_all(prefix: str, jobs: int, packages: list[str]) -> dict:
     """Compile `sources(packages)` under `prefix` on `jobs` processes at a low priority."""
     import concurrent.futures
 
-    started = time.perf_counter()
-    files = sources(packages)
-    chunks = [files[i:i + 64] for i in range(0, len(files), 64)]
+    started, files, chunk, pending = time.perf_counter(), 0, [], []
     with concurrent.futures.ProcessPoolExecutor(jobs) as pool:  # at this process's low priority
-        compiled = sum(pool.map(_compile_chunk, [(prefix, chunk) for chunk in chunks]))
-    return {"files": len(files), "compiled": compiled, "processes": jobs,
+        for source in sources(packages):  # each chunk compiled as soon as it is found
+            chunk.append(source)
+            if len(chunk) == 64:
+                pending.append(pool.submit(_compile_chunk, (prefix, chunk)))
+                files, chunk = files + len(chunk), []
+        pending.append(pool.submit(_compile_chunk, (prefix, chunk)))
+        compiled = sum(future.result() for future in pending)
+    return {"files": files + len(chunk), "compiled": compiled, "processes": jobs,
             "seconds": round(time.perf_counter() - started, 3)}
 
 
