@@ -161,9 +161,3 @@ def test_start_does_nothing_where_torch_has_bytecode(clean_state, monkeypatch, t
     bytecode.start(["torch"])
     assert bytecode._prefix is None and bytecode.outcome() is None and not (tmp_path / "prefix").exists()
 
-
-def test_children_get_room_in_cudas_jit_cache_unless_the_user_sized_it(monkeypatch, clean_state):
-    monkeypatch.delenv("CUDA_CACHE_MAXSIZE", raising=False)
-    assert processes.child_env()["CUDA_CACHE_MAXSIZE"] == str(4 << 30)
-    monkeypatch.setenv("CUDA_CACHE_MAXSIZE", "1000")
-    assert processes.child_env()["CUDA_CACHE_MAXSIZE"] == "1000"

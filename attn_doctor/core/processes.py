@@ -17,26 +17,18 @@ from attn_doctor.core.errors import BadInput
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
-# cuDNN compiles its attention kernels at run time, one per kernel configuration and, for some head dims, per
-# sequence length, about 1.1 s of host CPU each; the driver keeps the result in its JIT cache on disk, where the
-# next process that needs it finds it in 0.1 s (reports/h100/issue51/lease4/cost). A sweep's workers build hundreds
-# of them side by side, more than the driver's default cache (256 MiB) may hold: one evicted is built again, a
-# second each time. 4 GiB is the most CUDA_CACHE_MAXSIZE takes.
-JIT_CACHE_BYTES = 4 << 30
-
 _live: set[Any] = set()  # subprocess.Popen, or execution.fork_server.ForkedProcess
 _lock = threading.Lock()
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment, with this copy of attn_doctor importable, output unbuffered, the command's private
-    bytecode where it has one (`bytecode`), and CUDA's JIT cache as large as CUDA allows unless the user sized it."""
+    """This environment, with this copy of attn_doctor importable, output unbuffered, and the command's private
+    bytecode where it has one (`bytecode`)."""
     from attn_doctor.core import bytecode
 
     env = bytecode.child_variables(dict(os.environ))
     env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("CUDA_CACHE_MAXSIZE", str(JIT_CACHE_BYTES))
     env.update(extra or {})
     return env
 
