@@ -21,6 +21,7 @@ def clean_state(monkeypatch):
     monkeypatch.setattr(bytecode, "_prefix", None)
     monkeypatch.setattr(bytecode, "_compiler", None)
     monkeypatch.setattr(bytecode, "_outcome", None)
+    monkeypatch.setattr(processes, "_for_children", {})
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     monkeypatch.delenv(bytecode.VARIABLE, raising=False)
     saved = (sys.pycache_prefix, sys.dont_write_bytecode)
@@ -59,13 +60,14 @@ def test_the_folder_defaults_to_the_users_cache(clean_state):
     assert bytecode.folder({bytecode.VARIABLE: "OFF"}) is None
 
 
-def test_children_get_the_prefix_and_may_write_only_once_it_is_in_use(tmp_path, clean_state):
-    environ = {"PYTHONDONTWRITEBYTECODE": "1", "OTHER": "x"}
-    assert bytecode.child_variables(dict(environ)) == environ  # not in use: untouched
+def test_children_get_the_prefix_and_may_write_only_once_it_is_in_use(tmp_path, clean_state, monkeypatch):
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert processes.child_env()["PYTHONDONTWRITEBYTECODE"] == "1"  # not in use: the environment as it is
     assert "PYTHONPYCACHEPREFIX" not in processes.child_env()
     bytecode.use(tmp_path / "prefix")
-    assert bytecode.child_variables(dict(environ)) == {"OTHER": "x", "PYTHONPYCACHEPREFIX": str(tmp_path / "prefix")}
     assert processes.child_env()["PYTHONPYCACHEPREFIX"] == str(tmp_path / "prefix")
+    assert "PYTHONDONTWRITEBYTECODE" not in processes.child_env()
+    assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"  # this process's own environment is left alone
     assert sys.pycache_prefix == str(tmp_path / "prefix") and not sys.dont_write_bytecode
 
 

@@ -1,18 +1,19 @@
 """Compiled Python for the processes a command starts, where the environment ships none.
 
 Why: a worker's start is its imports, and an import without bytecode compiles every source it loads. The lent GPU's
-image ships torch without bytecode and sets PYTHONDONTWRITEBYTECODE=1, so the TE fork server compiled about 3,000
-sources on one core at each command's start (5.2 s of a TE worker's start in reports/h100/issue51/lease4/cost), and
-that import is a cold sweep's critical path (TE's workers forked about 22 s after the command's start on lease 6's
-machine); the SDPA and local servers and the command itself compiled torch's again, each on its own.
+image ships torch without bytecode and sets PYTHONDONTWRITEBYTECODE=1, so the TE fork server compiled 1,703 of the
+2,841 sources `import transformer_engine.pytorch` loads, on one core, at each command's start, and that import is a
+cold sweep's critical path: 15.6 s cold, 5.5 s with those sources compiled ahead, which took 1.9 s on 16 processes
+(reports/h100/issue51/lease7, `benchmarks/import_cost.py`). The SDPA and local servers and the command itself
+compiled torch's again, each on its own.
 
 What: where torch's sources have no bytecode beside them and no prefix is set (`wanted`), the command and every
 process it starts read and write bytecode under one private prefix (PYTHONPYCACHEPREFIX: $ATTN_DOCTOR_BYTECODE, or
 ~/.cache/attn-doctor/bytecode; `off`: never), and a compiler started at the command's first lines fills it on the
 cores the imports leave idle, at a low priority (`start`): the standard library, attn_doctor, torch and the family
 libraries, then what their distributions require. A source the compiler has not reached yet is compiled by the
-process that imports it and written there too, so no source is compiled twice on one machine; the next command
-finds them all (`compile_all` skips what is up to date).
+process that imports it and written there too (compiled twice only where two processes reach it at once); the next
+command finds them all (`compile_all` skips what is up to date).
 
 Safe: Python checks a cached file against its source's modification time and size before using it, and writes
 each one atomically (a temporary file renamed), so processes racing on one source leave one whole file. Nothing is
@@ -63,22 +64,16 @@ def wanted(torch_init: str | None, environ: dict[str, str] | os._Environ = os.en
 
 
 def use(prefix: Path) -> None:
-    """This process reads and writes bytecode under `prefix` from its next import on, and so do its children
-    (`child_variables`)."""
+    """This process reads and writes bytecode under `prefix` from its next import on, and so does every child it
+    starts (`processes.for_every_child`)."""
+    from attn_doctor.core import processes
+
     global _prefix
     prefix.mkdir(parents=True, exist_ok=True)
     _prefix = str(prefix)
     sys.pycache_prefix = _prefix
     sys.dont_write_bytecode = False
-
-
-def child_variables(environ: dict[str, str]) -> dict[str, str]:
-    """`environ` for a child: under the prefix, with bytecode written there, where `use` was called."""
-    if _prefix is None:
-        return environ
-    environ = {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
-    environ["PYTHONPYCACHEPREFIX"] = _prefix
-    return environ
+    processes.for_every_child({"PYTHONPYCACHEPREFIX": _prefix, "PYTHONDONTWRITEBYTECODE": None})
 
 
 def compiler_processes(cores: int) -> int:
@@ -174,8 +169,9 @@ def _required(distributions: list[str]) -> list:
 def sources(packages: list[str]) -> Iterator[str]:
     """The sources to compile, each once, in about the order a worker imports them: the standard library,
     attn_doctor, each of `packages` (import names), then the rest of what their distributions require (tests left
-    out). A generator, so that compiling starts at the first folder: reading the distributions' metadata took
-    seconds with the page cache dropped on the GPU machine, while the worker it is for was importing."""
+    out). A generator, so that compiling starts at the first folder: the first version listed every source before
+    compiling any, reading every installed distribution's metadata, and its processes began 4 s after the command's
+    start on the H100 (lease 7), while TE's fork server compiled torch itself."""
     import importlib.util
     import sysconfig
 

@@ -19,14 +19,24 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 _live: set[Any] = set()  # subprocess.Popen, or execution.fork_server.ForkedProcess
 _lock = threading.Lock()
+_for_children: dict[str, str | None] = {}  # variables every child gets (None: left out), `for_every_child`
+
+
+def for_every_child(variables: dict[str, str | None]) -> None:
+    """Give every child started from now on these variables (None: leave the variable out), whatever this
+    process's own environment says: the command's private bytecode (`core.bytecode.use`)."""
+    _for_children.update(variables)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment, with this copy of attn_doctor importable, output unbuffered, and the command's private
-    bytecode where it has one (`bytecode`)."""
-    from attn_doctor.core import bytecode
-
-    env = bytecode.child_variables(dict(os.environ))
+    """This environment, with this copy of attn_doctor importable, output unbuffered, and `for_every_child`'s
+    variables."""
+    env = dict(os.environ)
+    for name, value in _for_children.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     env["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra or {})
