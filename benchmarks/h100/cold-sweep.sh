@@ -5,8 +5,8 @@
 # Before the sweep: the kernel's page cache is dropped where the machine lets us (said in OUT/LABEL.txt), and the
 # on-disk caches of CUDA's JIT (~/.nv/ComputeCache), Triton, the CuTe DSL, torch and attn-doctor's bytecode
 # (core/bytecode.py) are removed; so every library is read from disk again, every runtime-compiled kernel is
-# compiled again, and every Python source too. With PROFILE=1 every
-# worker writes its cProfile to OUT/prof-LABEL/ (that costs time: never in a timed comparison).
+# compiled again, and every Python source too. With PROFILE=1 every worker writes its cProfile to
+# OUT/prof-LABEL/ (that costs time: never in a timed comparison).
 set -uo pipefail
 out=$1 label=$2 tree=$3; shift 3
 mkdir -p "$out"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every PERIOD seconds until killed, what attn-doctor's processes are doing (state, kernel wait channel, CPU, the
-# GPU's processes, use, clocks and power, and each process's share of the SMs) into DIR/monitor.log; at the seconds in DUMP_AT (e.g. "150 280"), every worker's Python
-# stacks (SIGUSR1: faulthandler) copied from its stderr into DIR/stacks-T-PID.txt: where a stalled sweep waits.
+# GPU's processes, use, clocks and power, and each process's share of the SMs) into DIR/monitor.log; at the seconds
+# in DUMP_AT (e.g. "150 280"), every worker's Python stacks (SIGUSR1: faulthandler) copied from its stderr into
+# DIR/stacks-T-PID.txt: where a stalled sweep waits.
 #   bash benchmarks/h100/monitor.sh DIR [PERIOD] &
 dir=$1 period=${2:-15}
 mkdir -p "$dir"
