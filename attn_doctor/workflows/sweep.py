@@ -180,10 +180,10 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
                       "workers that changed family": float(moves)}
     if request.started is not None:  # not known, not said
         report.seconds["before the session (from the command's start)"] = start - request.started
-    for key, start in servers.items():  # the server's imports, from its start (at the command's first lines)
-        report.seconds[f"fork server imports ({key})"] = float(start["ready_s"])
-        report.seconds[f"fork server imports ({key}), on a CPU"] = float(start["cpu_s"])
-        report.seconds[f"fork server imports ({key}), pages read from disk"] = float(start.get("major_faults", 0))
+    for key, server in servers.items():  # the server's imports, from its start (at the command's first lines)
+        report.seconds[f"fork server imports ({key})"] = float(server["ready_s"])
+        report.seconds[f"fork server imports ({key}), on a CPU"] = float(server["cpu_s"])
+        report.seconds[f"fork server imports ({key}), pages read from disk"] = float(server.get("major_faults", 0))
     compiled = bytecode.outcome()  # the sources compiled ahead for this command's processes (`core.bytecode`)
     if compiled is not None:
         report.seconds["sources compiled ahead"] = float(compiled["seconds"])
