@@ -228,6 +228,32 @@ def test_compare_chunking_gives_the_same_answer(monkeypatch):
         assert getattr(chunked, field) == pytest.approx(getattr(whole, field), rel=1e-12), field
 
 
+def test_a_comparison_reads_its_figures_in_one_transfer(monkeypatch):
+    """Each value read from a GPU tensor waits for the GPU, and with a dozen processes time-sliced on it, for the
+    process's next turn (about 110 such reads a compared row made comparing cost 30-60 ms on the H100). So the
+    sums read nothing, and the figures read them through one copy to the host: counted here on the CPU."""
+    from attn_doctor.numerics import standalone
+
+    reads: list[str] = []
+    for name in ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "cpu"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k: (
+            reads.append(_name), _real(self, *a, **k))[1])
+    ref = _randn(2, 16, 3, 8, seed=21)
+    cand = ref + 1e-3 * _randn(2, 16, 3, 8, seed=22)
+    terms = ref.square().sum(-1, keepdim=True).expand(2, 16, 3, 2).clone()
+    rows = torch.ones(2, 16, dtype=torch.bool)
+    rows[1, 9:] = False
+    sums = None
+    for stretch in (slice(0, 5), slice(5, 16)):  # the way `compare` adds stretches of the sequence
+        sums = standalone.error_sums(cand[:, stretch], ref[:, stretch], terms[:, stretch], rows[:, stretch],
+                                     ~rows[:, stretch], into=sums)
+    assert reads == []
+    figures = standalone.error_figures(sums)
+    assert reads[0] == "cpu" and reads.count("cpu") == 1
+    assert figures["empty_rows"] == 7 * 3 and 0 < figures["rel"] < 1e-2
+
+
 def test_compare_refuses_shape_mismatch():
     with pytest.raises(ValueError, match="shape"):
         compare(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 4, 3, dtype=torch.float64))

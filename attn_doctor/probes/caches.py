@@ -19,7 +19,7 @@ from attn_doctor.numerics.inputs import (
 )
 from attn_doctor.numerics.reference import Reference, attention_reference
 from attn_doctor.numerics.source import SourceOf, seeded
-from attn_doctor.numerics.standalone import TORCH_DTYPES
+from attn_doctor.numerics.standalone import TORCH_DTYPES, compared_rows
 
 # Called with a short description as a long probe advances (a depth stack's layers).
 Progress = Callable[[str], None]
@@ -74,11 +74,12 @@ class CaseCache:
         self.shared: tuple[torch.Tensor, ...] | None = None  # the parent's reference, mapped, if the job had one
         self.measured = Measured(device)  # the case's tensors already compared (`Measured`)
         self._flash_style: dict | None = None
+        self._compared_rows: dict | None = None
         self.flash_style_seconds = 0.0
 
     def get(self, case: Case) -> tuple[Inputs, Reference]:
         if case.key() != self._key:
-            self._inputs = self._reference = self._flash_style = None  # free the previous case first
+            self._inputs = self._reference = self._flash_style = self._compared_rows = None  # free the previous case
             self.measured.clear()
             inputs = make_inputs(case, self.device, self.source_of(case))
             start = time.perf_counter()
@@ -95,6 +96,13 @@ class CaseCache:
             self._key, self._inputs, self._reference = case.key(), inputs, reference
         return self._inputs, self._reference
 
+    def compared_rows(self, case: Case) -> dict:
+        """`standalone.compared_rows` of the case, once (each test of them waits for the device)."""
+        inputs, _ = self.get(case)
+        if self._compared_rows is None:
+            self._compared_rows = compared_rows(case.plain(), inputs.semantics.allowed, self.device)
+        return self._compared_rows
+
     def flash_style(self, case: Case, masks: dict) -> dict:
         """`attn_doctor.numerics.rounded_output.case_figures` of the case (its compared rows `masks`), once."""
         from attn_doctor.numerics.rounded_output import case_figures
@@ -109,7 +117,7 @@ class CaseCache:
 
     def clear(self) -> None:
         """Drop the case; a shared reference is released, so the parent can free it."""
-        self._key = self._inputs = self._reference = self._flash_style = None
+        self._key = self._inputs = self._reference = self._flash_style = self._compared_rows = None
         self.measured.clear()
 
 

@@ -221,15 +221,17 @@ def profile(rows: list[Row], startup: dict[str, float], reference_s: float, prob
             total_s: float) -> dict[str, float]:
     """Where the time went. Families run concurrently, so per-family sums can exceed the wall time."""
     in_workers: dict[tuple, float] = {}  # opening the shared reference, or computing it where sharing failed
-    kernels = compare = flash_style = 0.0
+    kernels = kernels_cpu = compare = flash_style = 0.0
     for row in rows:
         in_workers[(row.family, row.coords.baseline_key())] = row.seconds.get("reference", 0.0)
         kernels += row.seconds.get("kernel", 0.0)
+        kernels_cpu += row.seconds.get("kernel_cpu", 0.0)
         compare += row.seconds.get("compare", 0.0)
         flash_style += row.seconds.get("flash_style", 0.0)
     seconds = {f"worker start ({family})": s for family, s in startup.items()}
     seconds.update({"reference (once per case)": reference_s,
                     "reference (in the workers)": sum(in_workers.values()),
-                    "flash-style part (once per case)": flash_style, "kernels": kernels, "comparison": compare,
+                    "flash-style part (once per case)": flash_style, "kernels": kernels,
+                    "kernels, on a CPU": kernels_cpu, "comparison": compare,
                     "probes (wall)": probes_s, "env + verdicts": total_s - probes_s, "diagnose (wall)": total_s})
     return seconds
