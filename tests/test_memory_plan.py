@@ -576,8 +576,9 @@ def test_a_session_in_phases_closes_the_workers_the_later_plan_does_not_count_an
     expected = plan_phases(groups, "cuda", budget, 3)
     with recorded.Session("cuda", budget=budget, workers_per_family=3) as session:
         judged = session.run_groups(groups)
-        plans = session.plans
+        plans, seconds = session.plans, session.phase_seconds
     assert [plan.workers for plan in plans] == [plan.workers for _, plan in expected]
+    assert len(seconds) == len(plans) and all(s > 0 for s in seconds)  # each phase's turn, timed
     assert all(len(rows) == len(group) for rows, group in zip(judged, groups))
     assert _RecordingWorker.closed  # the first phase's surplus workers, before the large points ran
     large = {groups[i][0].case.key() for i in expected[-1][0]}

@@ -927,8 +927,10 @@ def test_a_sweep_records_where_its_time_went_and_workers_can_write_their_profile
                       "--out", tmp_path / "sweep"])
     assert result.exit_code == 0, result.output
     seconds = json.loads((tmp_path / "sweep" / "results.json").read_text())["seconds"]
-    assert {"worker start (local)", "worker start (sdpa)", "kernels", "comparison", "probes (wall)",
-            "points per minute"} <= set(seconds)
+    assert {"worker start (local)", "worker start (sdpa)", "kernels", "kernels, on a CPU", "comparison",
+            "probes (wall)", "points per minute"} <= set(seconds)
+    assert seconds["kernels, on a CPU"] > 0
+    assert not any(name.startswith("phase ") for name in seconds)  # one plan: no phases to time
     assert seconds["points"] == 2 and seconds["probes (wall)"] <= seconds["wall"]
     # the pace is counted from the command's start (its imports and plan), as a user waits for it
     before = seconds["before the session (from the command's start)"]
