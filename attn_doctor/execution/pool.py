@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from attn_doctor.core import bytecode, processes
-from attn_doctor.execution import fork_server, gpu_waits
+from attn_doctor.execution import fork_server
 
 STARTUP_TIMEOUT_S = 300.0
 # A forked worker has imported everything already: its start is a CUDA context and one kernel, seconds even on a
@@ -68,7 +68,6 @@ def prestart_servers(backends: tuple[str, ...] | list[str], cudnn: str | None, d
     if named("sdpa"):
         prestart("sdpa", device)
     prestart("local", device)
-    gpu_waits.apply(int(device.partition(":")[2] or 0))  # this process's own waits (its references), as its workers'
 
 
 class Worker:

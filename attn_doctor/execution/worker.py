@@ -92,9 +92,6 @@ def serve(family: str, device_name: str, hello: dict, out) -> int:
 
     device = torch.device(device_name)
     if device.type == "cuda":
-        from attn_doctor.execution import gpu_waits
-
-        hello = {**hello, "gpu_wait": gpu_waits.apply(device.index or 0)}  # before anything makes the context
         if device.index is not None:
             torch.cuda.set_device(device)  # TE builds its modules and workspaces on the current device
         # The context made, and a kernel run, before the hello: a worker whose device does not answer (a fork
