@@ -446,6 +446,8 @@ def test_the_probes_retried_alone_go_one_process_after_another_each_worker_start
     groups = [point.coords(select(["sdpa.math"])) for point in plan_points(cases, ["contiguous"])]
     with recorded.Session("cuda", budget=_gpu(24)) as session:
         rows = session.run_groups(groups)
+        turns = session.turn_seconds
+    assert list(turns) == ["phase 1", "retried alone"]  # the retries' turn timed on its own
     retried = [job["coords"]["backend"]["name"] for job in _RecordingWorker.jobs[6:]]
     assert sorted(retried) == ["local"] * 3 + ["sdpa.math"] * 3
     assert retried in (["sdpa.math"] * 3 + ["local"] * 3, ["local"] * 3 + ["sdpa.math"] * 3)  # one family, the other
@@ -576,9 +578,9 @@ def test_a_session_in_phases_closes_the_workers_the_later_plan_does_not_count_an
     expected = plan_phases(groups, "cuda", budget, 3)
     with recorded.Session("cuda", budget=budget, workers_per_family=3) as session:
         judged = session.run_groups(groups)
-        plans, seconds = session.plans, session.phase_seconds
+        plans, turns = session.plans, session.turn_seconds
     assert [plan.workers for plan in plans] == [plan.workers for _, plan in expected]
-    assert len(seconds) == len(plans) and all(s > 0 for s in seconds)  # each phase's turn, timed
+    assert list(turns) == [f"phase {n}" for n in range(1, len(plans) + 1)] and all(s > 0 for s in turns.values())
     assert all(len(rows) == len(group) for rows, group in zip(judged, groups))
     assert _RecordingWorker.closed  # the first phase's surplus workers, before the large points ran
     large = {groups[i][0].case.key() for i in expected[-1][0]}

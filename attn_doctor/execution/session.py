@@ -174,7 +174,7 @@ class Session:
         self.progress = progress or ProgressSink()
         self.budget = budget  # for all processes together (None: not known here, nothing held to it)
         self.plans: list[MemoryPlan] = []  # the last `run_groups`' plans, one per phase
-        self.phase_seconds: list[float] = []  # the wall time of each of them, and of the retries alone after
+        self.turn_seconds: dict[str, float] = {}  # the wall time of each phase ("phase N") and of "retried alone"
         self._phase_plan: MemoryPlan | None = None  # the plan of the phase running now
         self.workers: dict[str, list[Worker]] = {}
         self._pools = threading.Lock()  # `workers`' lists grow from serving threads (`_serve_and_move`)
@@ -253,7 +253,7 @@ class Session:
         # the small groups first where the large ones would cut the workers of all (`plan_phases`)
         phases = plan_phases(runnable, self.device, self.budget, self.workers_per_family, self.repeats)
         self.plans = [plan for _, plan in phases]
-        self.phase_seconds = []
+        self.turn_seconds = {}
         for number, (chosen, plan) in enumerate(phases):
             if batch.failure is not None or batch.stopped.is_set():
                 break
@@ -262,11 +262,11 @@ class Session:
                            for process, family_units in units.items()}
             start = time.perf_counter()
             self._run_phase(batch, {p: u for p, u in phase_units.items() if u}, plan, closing=number > 0)
-            self.phase_seconds.append(time.perf_counter() - start)
+            self.turn_seconds[f"phase {number + 1}"] = time.perf_counter() - start
         if batch.deferred and batch.failure is None:
             start = time.perf_counter()
             self._wait(batch, [lambda: self._retry_alone(batch)])
-            self.phase_seconds.append(time.perf_counter() - start)
+            self.turn_seconds["retried alone"] = time.perf_counter() - start
         if batch.failure is not None:
             raise batch.failure
         if self.device.startswith("cuda"):

@@ -162,7 +162,7 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
             rows.extend(point_rows)
         facts, startup, reference_s = session.facts, session.startup_seconds, session.references.seconds
         plans = session.plans or ([plan.memory] if plan.memory is not None else [])
-        moves, servers, phase_seconds = len(session.moves), session.server_starts, session.phase_seconds
+        moves, servers, turns = len(session.moves), session.server_starts, session.turn_seconds
     probes_s = time.perf_counter() - start
     progress.end()
     report = make_report(rows, request.specs, request.device, request.command, facts, not_judged=request.not_judged,
@@ -178,10 +178,8 @@ def run(plan: SweepPlan, progress: ProgressSink | None = None) -> RunReport:
                       "wall": wall, "points": float(len(plan.todo)),
                       "points per minute": 60 * len(plan.todo) / wall if wall > 0 else 0.0,
                       "workers that changed family": float(moves)}
-    if len(plans) > 1 or len(phase_seconds) > 1:  # the phases' turns (`memory.phases` says each one's workers)
-        for number, seconds in enumerate(phase_seconds, 1):
-            name = f"phase {number} (wall)" if number <= len(plans) else "retried alone (wall)"
-            report.seconds[name] = seconds
+    if len(turns) > 1:  # the phases' turns (`memory.phases` says each one's workers) and the retries alone after
+        report.seconds.update({f"{turn} (wall)": seconds for turn, seconds in turns.items()})
     if request.started is not None:  # not known, not said
         report.seconds["before the session (from the command's start)"] = start - request.started
     for key, server in servers.items():  # the server's imports, from its start (at the command's first lines)
