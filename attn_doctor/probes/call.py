@@ -60,8 +60,9 @@ def run(backend: Backend, coords: Coords, caches: Caches, progress: Progress | N
     identical and how far apart they were (`attn_doctor.probes.repeats`)."""
     case, device = coords.case, caches.device
     inputs, reference = caches.case.get(case)
-    # kernel_cpu: the process's CPU time in the kernel's calls (a library building and compiling its kernels);
-    # the rest of `kernel` is waiting for the GPU.
+    # kernel_cpu: the process's CPU time in the kernel's calls: a library building and compiling its kernels, and
+    # the waits for the GPU too, since CUDA spins a core while a process waits (on the H100 it was 99 % of `kernel`
+    # for every path; reports/h100/issue51/lease8).
     seconds = {"reference": caches.case.reference_seconds, "kernel": 0.0, "kernel_cpu": 0.0, "compare": 0.0}
     fmt = backend.format_for(case)
     packed = layouts.packing(case, inputs.semantics.slots) if fmt == "thd" else None
